@@ -1,0 +1,667 @@
+"""How call arguments reach the workers of a gang and how their results come back.
+
+Pure module: numpy only, no Ray. torch is never imported here; a value is a tensor
+only if torch is already imported by the caller (``sys.modules``), so the module
+works (and stays cheap to import) on machines without torch.
+
+Dispatch modes (how ``(args, kwargs)`` of one call become one ``(args, kwargs)`` per
+worker):
+
+- ``'slice'``: every top-level ``list`` argument is split contiguously over the workers
+  (10 items over 4 workers -> 3, 3, 2, 2); other values go whole to every worker.
+- ``'all'``: every worker gets everything.
+- ``'slice_dp'``: lists, tuples, numpy arrays and torch tensors are split along dim 0 by
+  the worker's *data-parallel rank* (from the device mesh); dicts are split key by key;
+  scalars are replicated.  Workers with the same data rank (tp / pp / cp peers) get the
+  very same objects, so a runtime can serialise a slice once per data rank.
+- a callable ``fn(n_workers, i, args, kwargs, device_mesh) -> (args, kwargs)``.
+
+Collect modes (how the per-worker results of one call become one value): ``'none'``,
+``'flatten'``, ``'mean'``, ``'sum'``, ``'first'``, ``'last_pp'`` or a callable
+``fn(results, device_mesh)``.  Results that are all tuples of one length (a method with
+several return values) are collected element-wise.
+
+The device mesh is duck-typed; what is used of it: ``data_world_size``, ``world_size``,
+``get_data_rank_from_global_rank(g)`` and ``get_pp_last_ranks()``.  The slice of a data
+rank is the contiguous divmod split that ``mesh.get_slice`` defines (the first
+``n % data_world_size`` data ranks get one more item); it is computed here from the data
+rank, so it does not depend on whether a mesh's ``get_slice`` takes a data rank (Twinkle)
+or a global rank.
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    'COLLECT_MODES',
+    'DISPATCH_MODES',
+    'EXECUTE_MODES',
+    'batch_len',
+    'check_collect',
+    'check_dispatch',
+    'check_execute',
+    'collect',
+    'concat',
+    'dispatch',
+    'split_sizes',
+    'take',
+    'worker_global_rank',
+]
+
+DISPATCH_MODES = ('slice', 'all', 'slice_dp')
+EXECUTE_MODES = ('all', 'first', 'peer')
+COLLECT_MODES = ('none', 'flatten', 'mean', 'sum', 'first', 'last_pp')
+
+WorkerCall = tuple[tuple, dict]
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_mode(kind: str, mode: Any, allowed: tuple[str, ...], allow_callable: bool) -> None:
+    if isinstance(mode, str):
+        if mode in allowed:
+            return
+    elif allow_callable and callable(mode):
+        return
+    choices = ', '.join(repr(m) for m in allowed)
+    extra = ' or a callable' if allow_callable else ''
+    raise ValueError(f'unknown {kind} mode {mode!r}; expected one of {choices}{extra}')
+
+
+def check_dispatch(mode: Any) -> None:
+    """Raise ``ValueError`` unless ``mode`` is a known dispatch mode or a callable.
+
+    Example::
+
+        >>> check_dispatch('slice_dp')
+        >>> check_dispatch('split')
+        Traceback (most recent call last):
+        ValueError: unknown dispatch mode 'split'; expected one of 'slice', 'all', 'slice_dp' or a callable
+    """
+    _check_mode('dispatch', mode, DISPATCH_MODES, allow_callable=True)
+
+
+def check_execute(mode: Any) -> None:
+    """Raise ``ValueError`` unless ``mode`` is one of :data:`EXECUTE_MODES`.
+
+    Example::
+
+        >>> check_execute('first')
+    """
+    _check_mode('execute', mode, EXECUTE_MODES, allow_callable=False)
+
+
+def check_collect(mode: Any) -> None:
+    """Raise ``ValueError`` unless ``mode`` is a known collect mode or a callable.
+
+    Example::
+
+        >>> check_collect('last_pp')
+        >>> check_collect(lambda results, mesh: results[-1])
+    """
+    _check_mode('collect', mode, COLLECT_MODES, allow_callable=True)
+
+
+def worker_global_rank(worker_index: int, gpus_per_worker: int = 1) -> int:
+    """Global (device-mesh) rank of the first device of worker ``worker_index``.
+
+    A worker that owns several devices (a vLLM engine with TP=2) covers the global ranks
+    ``i * gpus_per_worker ... (i + 1) * gpus_per_worker - 1``; it is addressed by the first.
+
+    Example::
+
+        >>> worker_global_rank(3, gpus_per_worker=2)
+        6
+    """
+    if worker_index < 0:
+        raise ValueError(f'worker index must be >= 0, got {worker_index}')
+    if gpus_per_worker < 1:
+        raise ValueError(f'gpus_per_worker must be >= 1, got {gpus_per_worker}')
+    return worker_index * gpus_per_worker
+
+
+# --------------------------------------------------------------------------- batch helpers
+
+
+def _torch():
+    return sys.modules.get('torch')
+
+
+def _is_tensor(obj: Any) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _is_sliceable(obj: Any) -> bool:
+    """A value with a batch dimension: list, tuple, ndarray / tensor with ndim >= 1."""
+    if isinstance(obj, (list, tuple)):
+        return True
+    if isinstance(obj, np.ndarray):
+        return obj.ndim >= 1
+    if _is_tensor(obj):
+        return obj.dim() >= 1
+    return False
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """Sizes of a contiguous split of ``n`` items into ``parts``; the first ``n % parts`` get one more.
+
+    Example::
+
+        >>> split_sizes(10, 4)
+        [3, 3, 2, 2]
+    """
+    if parts < 1:
+        raise ValueError(f'cannot split into {parts} parts; need at least 1')
+    if n < 0:
+        raise ValueError(f'cannot split a negative number of items ({n})')
+    k, m = divmod(n, parts)
+    return [k + 1 if i < m else k for i in range(parts)]
+
+
+def _span(n: int, parts: int, index: int) -> tuple[int, int]:
+    """``(start, stop)`` of piece ``index`` in the :func:`split_sizes` split."""
+    k, m = divmod(n, parts)
+    return index * k + min(index, m), (index + 1) * k + min(index + 1, m)
+
+
+def batch_len(obj: Any) -> int | None:
+    """Length along dim 0, or ``None`` for a value without a batch dimension.
+
+    Lists, tuples, numpy arrays and tensors (ndim >= 1) have one.  A dict has the common
+    length of its values that have one (nested dicts included); ``None`` when it has none,
+    ``ValueError`` naming the keys when they disagree.  Strings, numbers, ``None``, 0-d
+    arrays and other objects are scalars.
+
+    Example::
+
+        >>> batch_len({'ids': np.zeros((8, 16)), 'labels': list(range(8)), 'temperature': 0.7})
+        8
+        >>> batch_len('hello') is None
+        True
+    """
+    if isinstance(obj, dict):
+        lengths = _dict_lengths(obj, ())
+        distinct = set(lengths.values())
+        if not distinct:
+            return None
+        if len(distinct) > 1:
+            found = ', '.join(f'{_key_path(path)}: {n}' for path, n in lengths.items())
+            raise ValueError(f'dict values have different batch lengths ({found})')
+        return distinct.pop()
+    if isinstance(obj, (list, tuple)):
+        return len(obj)
+    if isinstance(obj, np.ndarray):
+        return int(obj.shape[0]) if obj.ndim >= 1 else None
+    if _is_tensor(obj):
+        return int(obj.shape[0]) if obj.dim() >= 1 else None
+    return None
+
+
+def _dict_lengths(obj: dict, prefix: tuple) -> dict[tuple, int]:
+    out: dict[tuple, int] = {}
+    for key, value in obj.items():
+        if isinstance(value, dict):
+            out.update(_dict_lengths(value, (*prefix, key)))
+        elif _is_sliceable(value):
+            out[(*prefix, key)] = batch_len(value)
+    return out
+
+
+def _key_path(path: tuple) -> str:
+    return ''.join(f'[{k!r}]' for k in path)
+
+
+def take(obj: Any, start: int, stop: int) -> Any:
+    """Items ``start:stop`` of ``obj`` along dim 0; values without a batch dimension are returned as is.
+
+    Lists and tuples keep their type; numpy arrays and tensors give views (no copy); dicts
+    are sliced key by key (recursively), their scalar values kept.  The input is never
+    modified.
+
+    Example::
+
+        >>> take({'ids': [1, 2, 3, 4], 'temperature': 0.7}, 1, 3)
+        {'ids': [2, 3], 'temperature': 0.7}
+    """
+    if isinstance(obj, dict):
+        return {k: take(v, start, stop) for k, v in obj.items()}
+    if _is_sliceable(obj):
+        return obj[start:stop]
+    return obj
+
+
+def _same_scalar(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        equal = a == b
+    except Exception:
+        return False
+    return isinstance(equal, (bool, np.bool_)) and bool(equal)
+
+
+def concat(pieces: Sequence[Any]) -> Any:
+    """Join pieces along dim 0 -- the inverse of :func:`take`.
+
+    - lists / tuples -> one ``list``;
+    - numpy arrays -> ``np.concatenate``; tensors -> ``torch.cat`` (a single piece is
+      returned as is, without a copy);
+    - dicts -> key by key (keys in order of first appearance); a key whose values have no
+      batch dimension gives the value itself when every piece holds the same one (a
+      replicated scalar, as :func:`take` leaves it) and the list of values otherwise;
+    - a mix of lists, tuples, arrays and tensors -> one ``list`` of their dim-0 items;
+    - pieces that all lack a batch dimension (one number per worker) -> the list of them.
+
+    ``TypeError`` (naming the piece) for a piece without a batch dimension among pieces
+    with one, or for dicts mixed with non-dicts.  An empty input gives ``[]``.
+
+    Example::
+
+        >>> concat([[1, 2], (3,), [4]])
+        [1, 2, 3, 4]
+        >>> concat([{'ids': [1], 'step': 3}, {'ids': [2, 3], 'step': 3}])
+        {'ids': [1, 2, 3], 'step': 3}
+    """
+    pieces = list(pieces)
+    if not pieces:
+        return []
+    if all(isinstance(p, dict) for p in pieces):
+        return _concat_dicts(pieces)
+    if not any(isinstance(p, dict) or _is_sliceable(p) for p in pieces):
+        # One value per worker (a loss, a reward): the list of them.
+        return pieces
+    for index, piece in enumerate(pieces):
+        if isinstance(piece, dict):
+            raise TypeError(
+                f'cannot concatenate a dict (piece {index}) with non-dict pieces '
+                f'({", ".join(sorted({type(p).__name__ for p in pieces}))})'
+            )
+        if not _is_sliceable(piece):
+            raise TypeError(
+                f'cannot concatenate piece {index} of type {type(piece).__name__}: '
+                'it has no batch dimension (expected list, tuple, numpy array or tensor)'
+            )
+    if all(isinstance(p, (list, tuple)) for p in pieces):
+        return [item for piece in pieces for item in piece]
+    if all(isinstance(p, np.ndarray) for p in pieces):
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
+    if all(_is_tensor(p) for p in pieces):
+        return pieces[0] if len(pieces) == 1 else _torch().cat(pieces, dim=0)
+    # A mix of sequence types: a plain list of the dim-0 items, like one worker's list.
+    return [item for piece in pieces for item in piece]
+
+
+def _concat_dicts(pieces: list[dict]) -> dict:
+    keys: dict[Any, None] = {}
+    for piece in pieces:
+        keys.update(dict.fromkeys(piece))
+    out = {}
+    for key in keys:
+        values = [p[key] for p in pieces if key in p]
+        if all(isinstance(v, dict) for v in values):
+            out[key] = _concat_dicts(values)
+        elif all(_is_sliceable(v) for v in values):
+            out[key] = concat(values)
+        elif all(_same_scalar(values[0], v) for v in values[1:]):
+            out[key] = values[0]
+        else:
+            out[key] = values
+    return out
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def _where(method: str, group: str) -> str:
+    return f"{method}() on group '{group}'"
+
+
+def _arg_name(position: int | str) -> str:
+    return f'argument {position}' if isinstance(position, int) else f'argument {position!r}'
+
+
+def _too_small(method: str, group: str, n: int, dp: int, location: str, note: str = '') -> ValueError:
+    return ValueError(
+        f'{_where(method, group)}: batch of {n} items is smaller than the data-parallel size '
+        f'{dp} ({location}{note}); pass at least {dp} items or use dispatch=\'all\''
+    )
+
+
+def _named_args(args: tuple, kwargs: dict):
+    yield from enumerate(args)
+    yield from kwargs.items()
+
+
+def dispatch(
+    mode: str | Callable,
+    n_workers: int,
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None,
+    *,
+    device_mesh: Any = None,
+    gpus_per_worker: int = 1,
+    method: str = '?',
+    group: str = '?',
+) -> list[WorkerCall]:
+    """Build the ``(args, kwargs)`` of every worker for one call.
+
+    Args:
+        mode: ``'slice'``, ``'all'``, ``'slice_dp'`` or ``fn(n_workers, i, args, kwargs, device_mesh)``.
+        n_workers: number of workers that run the call (worker ``i`` is the i-th of them).
+        args, kwargs: the call's arguments; never modified.
+        device_mesh: the gang's mesh (used by ``'slice_dp'``; ``None`` means plain dp over
+            the workers).
+        gpus_per_worker: worker ``i`` is global mesh rank ``i * gpus_per_worker``.
+        method, group: named in error messages.
+
+    Returns:
+        ``n_workers`` tuples ``(args_tuple, kwargs_dict)``, in worker order.  Workers that get
+        the same data share the same tuple object.
+
+    Raises:
+        ValueError: unknown mode; a batch smaller than the data-parallel size (for every
+            sliced type, before anything runs); list arguments of different lengths under
+            ``'slice'``; workers that fall outside the mesh or leave data ranks without a worker.
+        TypeError: a dispatch function that does not return ``(args, kwargs)``.
+
+    Example::
+
+        >>> calls = dispatch('slice', 4, (list(range(10)), 'greedy'), {}, method='sample', group='sampler')
+        >>> [len(a[0]) for a, _ in calls], calls[3][0][1]
+        ([3, 3, 2, 2], 'greedy')
+    """
+    check_dispatch(mode)
+    if not isinstance(n_workers, numbers.Integral) or n_workers < 1:
+        raise ValueError(f'{_where(method, group)}: need at least one worker, got n_workers={n_workers!r}')
+    if gpus_per_worker < 1:
+        raise ValueError(f'{_where(method, group)}: gpus_per_worker must be >= 1, got {gpus_per_worker}')
+    args = tuple(args)
+    kwargs = dict(kwargs or {})
+
+    if not isinstance(mode, str):
+        return _dispatch_callable(mode, n_workers, args, kwargs, device_mesh, method, group)
+    if mode == 'all':
+        shared = (args, kwargs)
+        return [shared] * n_workers
+    if mode == 'slice':
+        return _dispatch_slice(n_workers, args, kwargs, method, group)
+    return _dispatch_slice_dp(n_workers, args, kwargs, device_mesh, gpus_per_worker, method, group)
+
+
+def _dispatch_callable(fn, n_workers, args, kwargs, device_mesh, method, group) -> list[WorkerCall]:
+    name = getattr(fn, '__qualname__', None) or repr(fn)
+    out = []
+    for i in range(n_workers):
+        produced = fn(n_workers, i, args, dict(kwargs), device_mesh)
+        if (
+            not isinstance(produced, (tuple, list))
+            or len(produced) != 2
+            or not isinstance(produced[0], (tuple, list))
+            or not isinstance(produced[1], dict)
+        ):
+            raise TypeError(
+                f'{_where(method, group)}: dispatch function {name} must return (args, kwargs) '
+                f'with a tuple and a dict; for worker {i} it returned {type(produced).__name__} '
+                f'{_short_repr(produced)}'
+            )
+        out.append((tuple(produced[0]), dict(produced[1])))
+    return out
+
+
+def _short_repr(obj: Any, limit: int = 80) -> str:
+    text = repr(obj)
+    return text if len(text) <= limit else text[: limit - 3] + '...'
+
+
+def _dispatch_slice(n_workers, args, kwargs, method, group) -> list[WorkerCall]:
+    lengths = {p: len(v) for p, v in _named_args(args, kwargs) if isinstance(v, list)}
+    if not lengths:
+        shared = (args, kwargs)
+        return [shared] * n_workers
+    distinct = set(lengths.values())
+    if len(distinct) > 1:
+        found = ', '.join(f'{_arg_name(p)}: {n}' for p, n in lengths.items())
+        raise ValueError(
+            f"{_where(method, group)}: dispatch='slice' splits every list argument the same way, "
+            f'but their lengths differ ({found})'
+        )
+    n = distinct.pop()
+    if n < n_workers:
+        location = ', '.join(_arg_name(p) for p in lengths)
+        raise _too_small(method, group, n, n_workers, location, note=f"; dispatch='slice' over {n_workers} workers")
+    out = []
+    for i in range(n_workers):
+        start, stop = _span(n, n_workers, i)
+        out.append((
+            tuple(v[start:stop] if isinstance(v, list) else v for v in args),
+            {k: v[start:stop] if isinstance(v, list) else v for k, v in kwargs.items()},
+        ))
+    return out
+
+
+def _check_dp_sizes(value: Any, dp: int, location: str, method: str, group: str) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_dp_sizes(item, dp, f'{location} key {key!r}', method, group)
+    elif _is_sliceable(value):
+        n = batch_len(value)
+        if n < dp:
+            raise _too_small(method, group, n, dp, location)
+
+
+def _split_dp(value: Any, piece: Callable[[int], slice]) -> Any:
+    if isinstance(value, dict):
+        split = {k: _split_dp(v, piece) for k, v in value.items()}
+        # Nothing sliced inside: hand on the caller's dict itself (no copy per worker).
+        return value if all(split[k] is value[k] for k in value) else split
+    if _is_sliceable(value):
+        s = piece(batch_len(value))
+        return value[s.start:s.stop]
+    return value
+
+
+def _dispatch_slice_dp(n_workers, args, kwargs, mesh, gpus_per_worker, method, group) -> list[WorkerCall]:
+    if mesh is None:
+        dp = n_workers
+        ranks = list(range(n_workers))
+        data_ranks = ranks
+    else:
+        dp = int(mesh.data_world_size)
+        ranks = [worker_global_rank(i, gpus_per_worker) for i in range(n_workers)]
+        world = getattr(mesh, 'world_size', None)
+        if world is not None and ranks[-1] >= world:
+            raise ValueError(
+                f'{_where(method, group)}: worker {n_workers - 1} maps to global rank {ranks[-1]} '
+                f'(gpus_per_worker={gpus_per_worker}) but the device mesh has only {world} ranks'
+            )
+        data_ranks = [int(mesh.get_data_rank_from_global_rank(g)) for g in ranks]
+        missing = sorted(set(range(dp)) - set(data_ranks))
+        if missing:
+            raise ValueError(
+                f'{_where(method, group)}: the {n_workers} worker(s) cover data ranks '
+                f'{sorted(set(data_ranks))} of data-parallel size {dp}; the slices of data ranks '
+                f"{missing} would be dropped (use dispatch='all' for a single worker)"
+            )
+
+    for position, value in _named_args(args, kwargs):
+        _check_dp_sizes(value, dp, _arg_name(position), method, group)
+
+    by_data_rank: dict[int, WorkerCall] = {}
+    out = []
+    for data_rank in data_ranks:
+        call = by_data_rank.get(data_rank)
+        if call is None:
+
+            def piece(n: int, _d: int = data_rank) -> slice:
+                # == mesh.get_slice(n, <data rank>): contiguous divmod split by data rank.
+                return slice(*_span(n, dp, _d))
+
+            call = (
+                tuple(_split_dp(v, piece) for v in args),
+                {k: _split_dp(v, piece) for k, v in kwargs.items()},
+            )
+            by_data_rank[data_rank] = call
+        out.append(call)
+    return out
+
+
+# --------------------------------------------------------------------------- collect
+
+
+def collect(
+    mode: str | Callable,
+    results: Sequence[Any],
+    *,
+    device_mesh: Any = None,
+    gpus_per_worker: int = 1,
+    worker_indices: Sequence[int] | None = None,
+) -> Any:
+    """Join the per-worker results of one call.
+
+    Args:
+        mode: ``'none'`` (a single result unwrapped, else the list), ``'flatten'``
+            (:func:`concat`), ``'mean'`` / ``'sum'`` (numbers, arrays, tensors elementwise,
+            dicts per key, lists per position), ``'first'``, ``'last_pp'`` or
+            ``fn(results, device_mesh)``.
+        results: one result per executing worker, in worker order.
+        device_mesh: the gang's mesh (used by ``'last_pp'``).
+        gpus_per_worker: worker ``w`` is global mesh rank ``w * gpus_per_worker``.
+        worker_indices: which worker produced each result (default ``0..len-1``).
+
+    ``'last_pp'`` keeps the results of the last pipeline stage, one per data-parallel rank
+    (tp / cp peers of a data rank hold the same output; the one with the smallest global
+    rank is kept -- Twinkle's ``DeviceMesh.get_collect_ranks`` rule), ordered by data rank,
+    and concatenates them when they are sequences / dicts, else returns them as a list.
+    With no ``'pp'`` dim every rank is on the last stage.
+
+    When every result is a tuple of one length, element ``k`` of the answer is
+    ``collect(mode, [r[k] for r in results])`` (a namedtuple keeps its type).
+    An empty ``results`` gives ``[]``.
+
+    Example::
+
+        >>> collect('mean', [{'loss': 1.0}, {'loss': 3.0}])
+        {'loss': 2.0}
+        >>> collect('flatten', [([1, 2], 0.5), ([3], 1.5)])
+        ([1, 2, 3], [0.5, 1.5])
+    """
+    check_collect(mode)
+    results = list(results)
+    if worker_indices is None:
+        worker_indices = list(range(len(results)))
+    else:
+        worker_indices = list(worker_indices)
+        if len(worker_indices) != len(results):
+            raise ValueError(
+                f'collect got {len(results)} results but {len(worker_indices)} worker indices'
+            )
+    if not results:
+        return []
+
+    first = results[0]
+    if isinstance(first, tuple) and all(isinstance(r, tuple) and len(r) == len(first) for r in results):
+        elements = [
+            collect(
+                mode,
+                [r[k] for r in results],
+                device_mesh=device_mesh,
+                gpus_per_worker=gpus_per_worker,
+                worker_indices=worker_indices,
+            )
+            for k in range(len(first))
+        ]
+        return type(first)(*elements) if hasattr(type(first), '_fields') else tuple(elements)
+
+    if not isinstance(mode, str):
+        return mode(results, device_mesh)
+    if mode == 'none':
+        return results[0] if len(results) == 1 else results
+    if mode == 'first':
+        return results[0]
+    if mode == 'flatten':
+        return concat(results)
+    if mode in ('mean', 'sum'):
+        return _reduce(mode, results, 'results')
+    return _collect_last_pp(results, worker_indices, device_mesh, gpus_per_worker)
+
+
+def _collect_last_pp(results, worker_indices, mesh, gpus_per_worker) -> Any:
+    ranks = [worker_global_rank(w, gpus_per_worker) for w in worker_indices]
+    if mesh is None:
+        picked = list(results)
+    else:
+        get_last = getattr(mesh, 'get_pp_last_ranks', None)
+        last = get_last() if callable(get_last) else None
+        last = None if last is None else {int(r) for r in last}
+        data_rank_of = getattr(mesh, 'get_data_rank_from_global_rank', None)
+        chosen: dict[int, tuple[int, int]] = {}  # data rank -> (global rank, result index)
+        for k, g in enumerate(ranks):
+            if last is not None and g not in last:
+                continue
+            d = int(data_rank_of(g)) if callable(data_rank_of) else g
+            if d not in chosen or g < chosen[d][0]:
+                chosen[d] = (g, k)
+        if not chosen:
+            raise ValueError(
+                f"collect='last_pp': none of the results comes from the last pipeline stage "
+                f'(results from global ranks {ranks}; last-stage ranks {sorted(last or [])}); '
+                "run the call on all workers (execute='all')"
+            )
+        picked = [results[chosen[d][1]] for d in sorted(chosen)]
+    if all(isinstance(p, dict) for p in picked) or all(_is_sliceable(p) for p in picked):
+        return concat(picked)
+    return picked
+
+
+def _reduce(op: str, values: list, path: str) -> Any:
+    if all(v is None for v in values):
+        return None
+    if all(isinstance(v, dict) for v in values):
+        keys: dict[Any, None] = {}
+        for v in values:
+            keys.update(dict.fromkeys(v))
+        return {k: _reduce(op, [v[k] for v in values if k in v], f'{path}[{k!r}]') for k in keys}
+    torch = _torch()
+    if torch is not None and any(isinstance(v, torch.Tensor) for v in values):
+        _require_numeric(op, values, path)
+        ref = next(v for v in values if isinstance(v, torch.Tensor))
+        stacked = torch.stack([torch.as_tensor(v).to(ref.device) for v in values])
+        if op == 'sum':
+            return stacked.sum(dim=0)
+        if not (stacked.is_floating_point() or stacked.is_complex()):
+            stacked = stacked.to(torch.get_default_dtype())
+        return stacked.mean(dim=0)
+    if any(isinstance(v, (np.ndarray, np.generic)) for v in values):
+        _require_numeric(op, values, path)
+        stacked = np.stack([np.asarray(v) for v in values])
+        return stacked.sum(axis=0) if op == 'sum' else stacked.mean(axis=0)
+    if all(isinstance(v, list) for v in values):
+        if len({len(v) for v in values}) != 1:
+            raise TypeError(
+                f'collect={op!r}: {path} are lists of different lengths {[len(v) for v in values]}'
+            )
+        return [_reduce(op, [v[j] for v in values], f'{path}[{j}]') for j in range(len(values[0]))]
+    _require_numeric(op, values, path)
+    total = sum(values)
+    return total if op == 'sum' else total / len(values)
+
+
+def _require_numeric(op: str, values: list, path: str) -> None:
+    torch = _torch()
+    for v in values:
+        if isinstance(v, (numbers.Number, np.ndarray, np.generic)):
+            continue
+        if torch is not None and isinstance(v, torch.Tensor):
+            continue
+        raise TypeError(
+            f'collect={op!r} cannot combine {path} of type {type(v).__name__} '
+            '(expected numbers, numpy arrays, tensors, or dicts / lists of them)'
+        )
