@@ -468,28 +468,49 @@ def _split_dp(value: Any, piece: Callable[[int], slice]) -> Any:
     return value
 
 
-def _dispatch_slice_dp(n_workers, args, kwargs, mesh, gpus_per_worker, method, group) -> list[WorkerCall]:
+def worker_data_ranks(
+    n_workers: int, mesh: Any = None, gpus_per_worker: int = 1, method: str = '?', group: str = '?'
+) -> tuple[int, list[int]]:
+    """``(data world size, data rank of each worker)`` for ``slice_dp`` routing.
+
+    Worker ``i`` is global rank ``i * gpus_per_worker`` of ``mesh``; without a
+    mesh every worker is its own data rank.
+
+    >>> worker_data_ranks(4)
+    (4, [0, 1, 2, 3])
+    """
     if mesh is None:
-        dp = n_workers
-        ranks = list(range(n_workers))
-        data_ranks = ranks
-    else:
-        dp = int(mesh.data_world_size)
-        ranks = [worker_global_rank(i, gpus_per_worker) for i in range(n_workers)]
-        world = getattr(mesh, 'world_size', None)
-        if world is not None and ranks[-1] >= world:
-            raise ValueError(
-                f'{_where(method, group)}: worker {n_workers - 1} maps to global rank {ranks[-1]} '
-                f'(gpus_per_worker={gpus_per_worker}) but the device mesh has only {world} ranks'
-            )
-        data_ranks = [int(mesh.get_data_rank_from_global_rank(g)) for g in ranks]
-        missing = sorted(set(range(dp)) - set(data_ranks))
-        if missing:
-            raise ValueError(
-                f'{_where(method, group)}: the {n_workers} worker(s) cover data ranks '
-                f'{sorted(set(data_ranks))} of data-parallel size {dp}; the slices of data ranks '
-                f"{missing} would be dropped (use dispatch='all' for a single worker)"
-            )
+        return n_workers, list(range(n_workers))
+    dp = int(mesh.data_world_size)
+    ranks = [worker_global_rank(i, gpus_per_worker) for i in range(n_workers)]
+    world = getattr(mesh, 'world_size', None)
+    if world is not None and ranks[-1] >= world:
+        raise ValueError(
+            f'{_where(method, group)}: worker {n_workers - 1} maps to global rank {ranks[-1]} '
+            f'(gpus_per_worker={gpus_per_worker}) but the device mesh has only {world} ranks'
+        )
+    data_ranks = [int(mesh.get_data_rank_from_global_rank(g)) for g in ranks]
+    missing = sorted(set(range(dp)) - set(data_ranks))
+    if missing:
+        raise ValueError(
+            f'{_where(method, group)}: the {n_workers} worker(s) cover data ranks '
+            f'{sorted(set(data_ranks))} of data-parallel size {dp}; the slices of data ranks '
+            f"{missing} would be dropped (use dispatch='all' for a single worker)"
+        )
+    return dp, data_ranks
+
+
+def span(n: int, parts: int, index: int) -> tuple[int, int]:
+    """``(start, stop)`` of piece ``index`` when ``n`` items split into ``parts``.
+
+    >>> [span(10, 4, i) for i in range(4)]
+    [(0, 3), (3, 6), (6, 8), (8, 10)]
+    """
+    return _span(n, parts, index)
+
+
+def _dispatch_slice_dp(n_workers, args, kwargs, mesh, gpus_per_worker, method, group) -> list[WorkerCall]:
+    dp, data_ranks = worker_data_ranks(n_workers, mesh, gpus_per_worker, method, group)
 
     for position, value in _named_args(args, kwargs):
         _check_dp_sizes(value, dp, _arg_name(position), method, group)

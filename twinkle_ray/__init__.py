@@ -1,0 +1,51 @@
+"""twinkle_ray: Ray-native actor framework for multi-group distributed ML.
+
+The API of ModelScope Twinkle's infra, re-built on Ray: a script written for
+Twinkle runs with ``import twinkle_ray as twinkle``.
+
+Example::
+
+    import twinkle_ray as twinkle
+    from twinkle_ray import DeviceGroup, DeviceMesh, remote_class, remote_function
+
+    @remote_class()
+    class Worker:
+        def __init__(self, device_mesh=None):
+            self.mesh = device_mesh
+
+        @remote_function(dispatch="slice_dp", collect="flatten")
+        def double(self, xs):
+            return [2 * x for x in xs]
+
+    twinkle.initialize("ray", groups=[DeviceGroup("g", 2, "cpu")])
+    w = Worker(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="g")
+    assert w.double([1, 2, 3])() == [2, 4, 6]
+    twinkle.shutdown()
+"""
+
+from .context import get_rank, get_world_size
+from .errors import CallTimeoutError, PlacementError, WorkerDiedError
+from .group import DeviceGroup
+from .lazy import LazyResult
+from .mesh import DeviceMesh
+from .remote import remote_class, remote_function
+from .runtime import get, get_device_placement, initialize, shutdown
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CallTimeoutError",
+    "DeviceGroup",
+    "DeviceMesh",
+    "LazyResult",
+    "PlacementError",
+    "WorkerDiedError",
+    "get",
+    "get_device_placement",
+    "get_rank",
+    "get_world_size",
+    "initialize",
+    "remote_class",
+    "remote_function",
+    "shutdown",
+]

@@ -1,0 +1,380 @@
+"""The dispatcher actor: one per gang, async, refs only.
+
+It creates and owns the gang's workers (so they die with it), starts
+torch.distributed among them, routes each call's LazyResult arguments by data
+rank (awaiting only the producers' tiny length records, never their payload),
+submits the worker tasks and returns their ObjectRefs without waiting for
+them. A watch task per worker tells it within milliseconds when one dies; it
+then kills the rest (survivors are never trusted inside a collective), keeps
+the first death's record for the caller, and rebuilds the gang on
+``restart()`` or automatically up to ``max_restarts`` times.
+
+Example (what GangProxy does)::
+
+    d = Dispatcher.options(name="trainer/Model", num_cpus=0).remote(spec)
+    ray.get(d.start.remote())
+    out = ray.get(d.call.remote("forward", per_worker, "slice_dp", "all", None))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from .errors import WorkerDiedError, describe_actor_death
+from .group import DeviceGroup
+from .lazy import END_OF_ITERATION, CallOutput, Collected, LazyResult, Pieces
+from .placement import BundleSlot
+from .routing import locate, peer_workers, windows
+from .worker import WorkerInfo, make_worker
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 2.0
+
+
+@dataclass
+class GangSpec:
+    """What a dispatcher needs to build (and rebuild) its gang."""
+
+    group: DeviceGroup
+    cls: type
+    label: str  # 'group/Class' (or 'group/Class-2'): prefix of every actor name
+    args: tuple
+    kwargs: dict
+    slots: list[BundleSlot]  # one per worker, in rank order
+    owns: list[bool]  # per worker: takes the bundle's devices (first gang on them)
+    pg: Any
+    mesh: Any = None
+    distributed: bool | None = None
+    dist_timeout_s: float = 120.0
+    seed: int | None = 42
+    namespace: str | None = None
+    max_restarts: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def cls_name(self) -> str:
+        return self.cls.__name__
+
+
+class Dispatcher:
+    """Async actor that owns one gang. See the module docstring."""
+
+    def __init__(self, spec: GangSpec):
+        self.spec = spec
+        self.workers: list = []
+        self.generation = 0
+        self.restarts = 0
+        self.dead: WorkerDiedError | None = None
+        self.backend: str | None = None
+        self.stopped = False
+        self._order = asyncio.Lock()
+        self._watch_task: asyncio.Task | None = None
+        self._restart_task: asyncio.Task | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> dict:
+        """Create the workers, join torch.distributed, build the user's instance."""
+        spec, g = self.spec, self.spec.group
+        n = len(spec.slots)
+        self.generation += 1
+        gen = self.generation
+        node_rank: dict[str, int] = {}
+        for s in spec.slots:
+            node_rank.setdefault(s.node_id, len(node_rank))
+        infos = []
+        for rank, s in enumerate(spec.slots):
+            same_node = [r for r, t in enumerate(spec.slots) if t.node_id == s.node_id]
+            suffix = f"#{gen - 1}" if gen > 1 else ""
+            infos.append(
+                WorkerInfo(
+                    group=g.name,
+                    cls_name=spec.cls_name,
+                    name=f"{spec.label}/{rank}{suffix}",
+                    rank=rank,
+                    world_size=n,
+                    local_rank=same_node.index(rank),
+                    local_world_size=len(same_node),
+                    node_rank=node_rank[s.node_id],
+                    master_addr=spec.slots[0].node_ip,
+                    devices=s.devices,
+                    visible_devices_env=g.visible_devices_env,
+                    kind=g.kind,
+                    env={**g.env, **spec.env},
+                )
+            )
+        self.workers = [
+            make_worker(
+                info,
+                spec.pg,
+                s.bundle_index,
+                resource_name=g.resource_name,
+                amount=g.gpus_per_worker if own else 0,
+                cpus=g.cpus_per_worker if own else 0,
+                namespace=spec.namespace,
+            )
+            for info, s, own in zip(infos, spec.slots, spec.owns, strict=True)
+        ]
+        distributed = spec.distributed if spec.distributed is not None else n > 1
+        try:
+            _, port = await self.workers[0].endpoint.remote()
+            starts = [
+                w.start.remote(
+                    port, distributed, spec.dist_timeout_s, spec.seed, spec.cls, spec.args, spec.kwargs
+                )
+                for w in self.workers
+            ]
+            backends = await _all_or_first_error(starts)
+        except Exception as e:
+            await self._kill_workers()
+            rank = getattr(e, "_twinkle_rank", None)
+            raise RuntimeError(
+                f"gang {spec.label} failed to start"
+                + (f" (rank {rank})" if rank is not None else "")
+                + f": {_cause_text(e)}"
+            ) from None
+        self.backend = backends[0]
+        self.dead = None
+        self._watch_task = asyncio.ensure_future(self._watch(gen, list(self.workers)))
+        return self.describe()
+
+    async def restart(self) -> dict:
+        """Tear the gang down (if anything is left) and build a fresh one."""
+        if self._restart_task is not None and not self._restart_task.done():
+            await self._restart_task
+            return self.describe()
+        await self._kill_workers()
+        return await self.start()
+
+    async def stop(self) -> None:
+        """Leave torch.distributed where possible, then kill every worker."""
+        self.stopped = True
+        if self._restart_task is not None:
+            self._restart_task.cancel()
+        await self._kill_workers(graceful=True)
+
+    async def _kill_workers(self, graceful: bool = False) -> None:
+        self.generation += 1  # watchers of the old generation now ignore deaths
+        workers, self.workers = self.workers, []
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+        if graceful and workers:
+            await asyncio.wait([asyncio.ensure_future(_quiet(w.stop.remote())) for w in workers],
+                               timeout=STOP_GRACE_S)
+        for w in workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # already dead
+                logger.debug("kill of a dead worker", exc_info=True)
+
+    # -- health --------------------------------------------------------------------------------
+    async def _watch(self, gen: int, workers: list) -> None:
+        async def one(rank, ref):
+            try:
+                await ref
+            except Exception as e:  # the actor died: that is the only way watch() ends
+                return rank, e
+            return rank, None
+
+        tasks = [asyncio.ensure_future(one(r, w.watch.remote())) for r, w in enumerate(workers)]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            for t in tasks:
+                t.cancel()
+            raise
+        if gen != self.generation or self.stopped:
+            return
+        rank, exc = next(iter(done)).result()
+        node, cause = describe_actor_death(str(exc)) if exc else (None, "watch ended")
+        node = node or self.spec.slots[rank].node_ip
+        self.dead = WorkerDiedError(self.spec.group.name, self.spec.cls_name, rank, node, cause)
+        logger.warning("%s", self.dead)
+        await self._kill_workers()
+        if self.restarts < self.spec.max_restarts and not self.stopped:
+            self.restarts += 1
+            self._restart_task = asyncio.ensure_future(self.start())
+
+    async def death(self, wait_s: float = 2.0) -> WorkerDiedError | None:
+        """The first death of the current gang; waits briefly for the watcher to record one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while self.dead is None and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        return self.dead
+
+    async def check_health(self) -> None:
+        """Raise WorkerDiedError if the gang is dead (Serve's health check calls this)."""
+        if self.dead is not None:
+            raise self.dead
+        if not self.workers:
+            raise RuntimeError(f"gang {self.spec.label} is not running")
+
+    def describe(self) -> dict:
+        """The gang's topology: one row per rank."""
+        g = self.spec.group
+        return {
+            "label": self.spec.label,
+            "group": g.name,
+            "cls": self.spec.cls_name,
+            "backend": self.backend,
+            "generation": self.generation,
+            "restarts": self.restarts,
+            "dead": str(self.dead) if self.dead else None,
+            "ranks": [
+                {
+                    "rank": r,
+                    "bundle": s.bundle_index,
+                    "node_ip": s.node_ip,
+                    "node_id": s.node_id,
+                    "devices": list(s.devices),
+                }
+                for r, s in enumerate(self.spec.slots)
+            ],
+        }
+
+    # -- calls ---------------------------------------------------------------------------------
+    async def call(
+        self,
+        method: str,
+        per_worker: list[tuple[tuple, dict]],
+        dispatch: Any,
+        execute: str,
+        caller: tuple[int, int] | None = None,
+        wait_meta: bool = False,
+    ) -> CallOutput:
+        """Route and submit one call; return the output refs without waiting for them.
+
+        ``per_worker`` holds each worker's (args, kwargs) as the caller already
+        split them (plain values and ObjectRefs); LazyResult arguments in it are
+        routed here. ``wait_meta`` waits for the outputs' length records (used by
+        iteration to see StopIteration).
+        """
+        if self.dead is not None:
+            raise self.dead
+        if not self.workers:
+            raise RuntimeError(f"gang {self.spec.label} is not running (stopped or restarting)")
+        n = len(self.workers)
+        if execute == "first":
+            targets = [0]
+        elif execute == "peer" and caller is not None:
+            targets = peer_workers(caller[0], caller[1], n)
+        else:
+            targets = list(range(n))
+        async with self._order:  # routing may await; keep per-worker submission order
+            routes: dict[int, list] = {}
+            refs, metas = [], []
+            for i in targets:
+                args, kwargs = per_worker[i] if len(per_worker) > 1 else per_worker[0]
+                if _has_lazy(args, kwargs):
+                    args, kwargs = await self._route(method, args, kwargs, i, dispatch, routes)
+                payload, meta = self.workers[i].run.options(num_returns=2).remote(
+                    method, *args, **kwargs
+                )
+                refs.append(payload)
+                metas.append(meta)
+        ended = False
+        if wait_meta:
+            ended = any(m == END_OF_ITERATION for m in await asyncio.gather(*metas))
+        return CallOutput(refs=refs, metas=metas, workers=targets, ended=ended)
+
+    async def _route(self, method, args, kwargs, i, dispatch, routes):
+        async def one(v):
+            if not isinstance(v, LazyResult):
+                return v
+            key = id(v)
+            if key not in routes:
+                routes[key] = await self._plan_route(method, v, dispatch)
+            return routes[key][i]
+
+        new_args = tuple([await one(a) for a in args])
+        new_kwargs = {k: await one(v) for k, v in kwargs.items()}
+        return new_args, new_kwargs
+
+    async def _plan_route(self, method: str, lazy: LazyResult, dispatch: Any) -> list:
+        """One routed marker per worker of this gang for the LazyResult ``lazy``."""
+        out = lazy._out if lazy._out is not None else await lazy._plan_ref
+        n = len(self.workers)
+        mode = lazy.collect
+        slicing = dispatch in ("slice", "slice_dp")
+        if mode in ("flatten", "none", "first"):
+            refs = out.refs[:1] if mode == "first" else list(out.refs)
+            as_list = mode == "none" and len(refs) > 1
+            if not slicing:
+                return [Pieces(refs, [None] * len(refs), as_list)] * n
+            if as_list:
+                lengths = [1] * len(refs)
+            else:
+                metas = out.metas[:1] if mode == "first" else out.metas
+                lengths = await asyncio.gather(*metas)
+                if any(not isinstance(x, int) for x in lengths):  # not sliceable: replicate
+                    return [Pieces(refs, [None] * len(refs), as_list)] * n
+            total = sum(lengths)
+            wins = windows(
+                dispatch, total, n, mesh=self.spec.mesh, gpus_per_worker=self.spec.group.gpus_per_worker
+            )
+            needed = len(set(wins))
+            if total < needed:
+                raise ValueError(
+                    f"{method}() on group '{self.spec.group.name}': batch of {total} items (from "
+                    f"{lazy.gang.cls_name}.{lazy.method}) is smaller than the data-parallel size {needed}"
+                )
+            routed = []
+            for start, stop in wins:
+                pieces = locate(lengths, start, stop)
+                routed.append(Pieces([refs[k] for k, _ in pieces], [w for _, w in pieces], as_list))
+            return routed
+        whole = Collected(
+            list(out.refs), mode, list(out.workers), lazy.gang.mesh, lazy.gang.gpus_per_worker
+        )
+        return [whole] * n
+
+
+def _has_lazy(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(a, LazyResult) for a in args) or any(
+        isinstance(v, LazyResult) for v in kwargs.values()
+    )
+
+
+async def _all_or_first_error(refs: list) -> list:
+    """Await every ref; on the first failure raise it (tagged with its rank) without waiting."""
+    async def one(rank, ref):
+        try:
+            return await ref
+        except Exception as e:
+            e._twinkle_rank = rank
+            raise
+
+    tasks = [asyncio.ensure_future(one(r, ref)) for r, ref in enumerate(refs)]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    for t in done:
+        if t.exception() is not None:
+            for p in pending:
+                p.cancel()
+            raise t.exception()
+    return [t.result() for t in tasks]
+
+
+async def _quiet(ref) -> None:
+    try:
+        await ref
+    except Exception:  # teardown is best effort
+        pass
+
+
+def _cause_text(e: BaseException) -> str:
+    cause = getattr(e, "cause", None)
+    if cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    text = str(e)
+    if "dead because" in text or "died" in text:
+        return describe_actor_death(text)[1]
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+RemoteDispatcher = ray.remote(Dispatcher)

@@ -1,0 +1,336 @@
+"""GangProxy: what ``MyClass(..., remote_group='g')`` returns in Ray mode.
+
+The proxy holds the gang's dispatcher handle and what is needed to split
+arguments (the gang's DeviceMesh and size). A method call splits plain
+arguments here with the pure dispatch rules, puts large pieces in the object
+store once (tp peers share a piece), and sends the dispatcher refs and small
+values only; LazyResult arguments are routed by the dispatcher. The proxy is
+picklable: pass it to another gang's worker, or find it by name from a Serve
+replica or another job with ``GangProxy.lookup``.
+
+Example::
+
+    model = Model(device_mesh=mesh, remote_group="trainer")   # a GangProxy
+    out = model.forward(batch)                                # LazyResult
+    model.restart()                                           # after a WorkerDiedError
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import cloudpickle
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from .dispatch import dispatch as split_args
+from .dispatcher import GangSpec, RemoteDispatcher
+from .lazy import GangRef, LazyResult, fetch
+from .remote import DEFAULT_FUNCTION, RemoteFunction
+
+logger = logging.getLogger(__name__)
+
+PUT_THRESHOLD_BYTES = 64 * 1024
+PROGRESS_AFTER_S = 5.0
+PROGRESS_EVERY_S = 10.0
+
+
+def wait_with_progress(ref, what: str, timeout_s: float | None) -> Any:
+    """ray.get ``ref``, logging a progress line (WARNING) on a long wait."""
+    start = time.monotonic()
+    next_note = PROGRESS_AFTER_S
+    while True:
+        elapsed = time.monotonic() - start
+        step = 1.0 if timeout_s is None else max(0.0, min(1.0, timeout_s - elapsed))
+        ready, _ = ray.wait([ref], timeout=step)
+        if ready:
+            return ray.get(ref)
+        elapsed = time.monotonic() - start
+        if timeout_s is not None and elapsed >= timeout_s:
+            raise TimeoutError(f"{what} did not finish within {timeout_s:g}s")
+        if elapsed >= next_note:
+            logger.warning("%s: still waiting after %.0fs", what, elapsed)
+            next_note += PROGRESS_EVERY_S
+
+
+def _nbytes(obj: Any, depth: int = 0) -> int:
+    """A cheap estimate of an object's pickled size (enough to decide on ray.put)."""
+    nb = getattr(obj, "nbytes", None)
+    if isinstance(nb, int):
+        return nb
+    if isinstance(obj, bytes | bytearray | str):
+        return len(obj)
+    if depth < 2 and isinstance(obj, list | tuple) and obj:
+        head = obj[:8]
+        return sum(_nbytes(x, depth + 1) for x in head) * len(obj) // len(head)
+    if depth < 2 and isinstance(obj, dict) and obj:
+        vals = list(obj.values())
+        head = vals[:16]
+        return sum(_nbytes(v, depth + 1) for v in head) * len(vals) // len(head)
+    return 64
+
+
+def put_large(per_worker: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
+    """Replace large top-level argument values by ObjectRefs, one ``ray.put`` per object.
+
+    Keeps payload off the dispatcher: it only ever sees the refs, and each
+    worker pulls its piece straight from the object store.
+    """
+    cache: dict[int, Any] = {}
+
+    def conv(v: Any) -> Any:
+        if isinstance(v, LazyResult | ray.ObjectRef) or _nbytes(v) < PUT_THRESHOLD_BYTES:
+            return v
+        key = id(v)
+        if key not in cache:
+            cache[key] = ray.put(v)
+        return cache[key]
+
+    return [
+        (tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()})
+        for args, kwargs in per_worker
+    ]
+
+
+def _unpicklable(args: tuple, kwargs: dict) -> str | None:
+    for name, v in [*((f"argument {i}", a) for i, a in enumerate(args)),
+                    *((f"argument '{k}'", v) for k, v in kwargs.items())]:
+        try:
+            cloudpickle.dumps(v)
+        except Exception as e:
+            return f"{name} of type {type(v).__name__} cannot be pickled: {e}"
+    return None
+
+
+def _caller() -> tuple[int, int] | None:
+    """(rank, world size) when called from inside a gang worker, else None."""
+    if "TWINKLE_WORKER" not in os.environ:
+        return None
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class RemoteMethod:
+    """A bound remote method of a gang: calling it dispatches to the workers."""
+
+    __slots__ = ("proxy", "name", "spec")
+
+    def __init__(self, proxy: GangProxy, name: str, spec: RemoteFunction):
+        self.proxy, self.name, self.spec = proxy, name, spec
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.proxy._call(self.name, self.spec, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<remote method {self.proxy._gang.cls_name}.{self.name} on '{self.proxy._gang.group}'>"
+
+
+class GangProxy:
+    """Handle to a gang of workers hosting one instance of a user class.
+
+    Attribute access returns :class:`RemoteMethod` objects for the class's
+    methods; each call returns a :class:`LazyResult` (or the value, for
+    ``sync=True`` / ``lazy_collect=False``). ``restart()`` rebuilds the gang
+    with a fresh torch.distributed world after a worker died.
+    """
+
+    def __init__(self, cls: type, gang: GangRef, execute: str, lazy_default: bool, desc: dict):
+        self._cls = cls
+        self._gang = gang
+        self._execute = execute
+        self._lazy_default = lazy_default
+        self._desc = desc
+        self._closed: str | None = None
+        self._methods: dict[str, RemoteMethod] = {}
+
+    # -- lookup --------------------------------------------------------------------------------
+    @classmethod
+    def lookup(cls, label: str, namespace: str | None = None) -> GangProxy:
+        """Find a running gang by its dispatcher name (``'group/Class'``)."""
+        handle = ray.get_actor(label, namespace=namespace)
+        return ray.get(handle.proxy.remote())
+
+    def __getattr__(self, name: str) -> RemoteMethod:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        m = self._methods.get(name)
+        if m is None:
+            attr = getattr(self._cls, name, None)
+            if not callable(attr):
+                raise AttributeError(
+                    f"{self._cls.__name__} has no method '{name}' (gang on group '{self._gang.group}')"
+                )
+            spec = attr if isinstance(attr, RemoteFunction) else DEFAULT_FUNCTION
+            m = self._methods[name] = RemoteMethod(self, name, spec)
+        return m
+
+    # -- calls ---------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"gang {self._desc['label']} is gone ({self._closed}); create it again after "
+                f"twinkle_ray.initialize()"
+            )
+
+    def _call(self, name: str, spec: RemoteFunction, args: tuple, kwargs: dict,
+              wait_meta: bool = False) -> Any:
+        self._check_open()
+        g = self._gang
+        if spec.execute == "first" or spec.dispatch == "all" or self._execute == "first":
+            per_worker = [(args, kwargs)]
+        else:
+            per_worker = split_args(
+                spec.dispatch, g.n_workers, args, kwargs, device_mesh=g.mesh,
+                gpus_per_worker=g.gpus_per_worker, method=name, group=g.group,
+            )
+        per_worker = put_large(per_worker)
+        execute = "first" if self._execute == "first" else spec.execute
+        caller = _caller() if execute == "peer" else None
+        try:
+            plan = g.dispatcher.call.remote(name, per_worker, spec.dispatch, execute, caller, wait_meta)
+        except Exception as e:
+            why = _unpicklable(args, kwargs)
+            if why is None:
+                raise
+            raise TypeError(f"{g.cls_name}.{name}() on group '{g.group}': {why}") from e
+        result = LazyResult(plan, collect=spec.collect, gang=g, method=name, timeout=spec.timeout)
+        lazy = self._lazy_default if spec.lazy_collect is None else spec.lazy_collect
+        if spec.sync or not lazy:
+            return result.get()
+        return result
+
+    def __iter__(self):
+        if not hasattr(self._cls, "__next__"):
+            raise TypeError(f"{self._cls.__name__} is not an iterator (no __next__)")
+        if hasattr(self._cls, "__iter__"):
+            self._call("__iter__", _ITER_FUNCTION, (), {}).get()
+        return self
+
+    def __next__(self) -> LazyResult:
+        result = self._call("__next__", _ITER_FUNCTION, (), {}, wait_meta=True)
+        if result.plan().ended:
+            raise StopIteration
+        return result
+
+    def __len__(self) -> int:
+        return self._call("__len__", _ITER_FUNCTION, (), {}).get()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def restart(self, timeout: float | None = None) -> None:
+        """Tear the gang down and rebuild it with a fresh torch.distributed world."""
+        self._check_open()
+        self._desc = wait_with_progress(
+            self._gang.dispatcher.restart.remote(), f"restart of gang {self._desc['label']}", timeout
+        )
+
+    def check_health(self, timeout: float = 10.0) -> None:
+        """Raise WorkerDiedError if a worker of the gang died."""
+        self._check_open()
+        fetch([self._gang.dispatcher.check_health.remote()], [0], self._gang, "check_health", timeout)
+
+    def topology(self) -> dict:
+        """The gang's ranks, nodes and devices (as its dispatcher reports them)."""
+        self._check_open()
+        return ray.get(self._gang.dispatcher.describe.remote())
+
+    def close(self, reason: str = "closed") -> None:
+        """Kill the workers and the dispatcher. Idempotent."""
+        if self._closed:
+            return
+        self._closed = reason
+        d = self._gang.dispatcher
+        try:
+            ray.get(d.stop.remote(), timeout=10)
+        except Exception:  # already dead or stuck: kill it anyway
+            logger.debug("dispatcher stop failed", exc_info=True)
+        try:
+            ray.kill(d, no_restart=True)
+        except Exception:
+            logger.debug("dispatcher already dead", exc_info=True)
+
+    def __repr__(self) -> str:
+        state = f", {self._closed}" if self._closed else ""
+        return f"<{self._cls.__name__} gang '{self._desc['label']}' x{self._gang.n_workers}{state}>"
+
+    def __reduce__(self):
+        return (GangProxy, (self._cls, self._gang, self._execute, self._lazy_default, self._desc))
+
+
+_ITER_FUNCTION = RemoteFunction(None, dispatch="all", execute="first", collect="none")
+
+
+def create_gang(
+    cls: type,
+    *,
+    execute: str,
+    distributed: bool | None,
+    max_restarts: int,
+    group_name: str,
+    args: tuple,
+    kwargs: dict,
+    runtime,
+    mesh_type: type,
+) -> GangProxy:
+    """Start a gang for ``cls`` on group ``group_name`` and return its proxy."""
+    group = runtime.group(group_name)
+    mesh = next((v for v in (*args, *kwargs.values()) if isinstance(v, mesh_type)), None)
+    slots = runtime.slots[group.name]
+    if execute == "first":
+        slots = slots[:1]
+    elif mesh is not None and mesh.world_size != group.num_devices:
+        raise ValueError(
+            f"{cls.__name__} on group '{group.name}': its DeviceMesh has world size "
+            f"{mesh.world_size} but the group has {group.num_devices} device(s)"
+        )
+    label = runtime.new_label(group.name, cls.__name__)
+    owns = runtime.claim(group.name, [s.bundle_index for s in slots])
+    [(args, kwargs)] = put_large([(args, kwargs)])
+    spec = GangSpec(
+        group=group,
+        cls=cls,
+        label=label,
+        args=args,
+        kwargs=kwargs,
+        slots=slots,
+        owns=owns,
+        pg=runtime.pgs[group.name],
+        mesh=mesh,
+        distributed=distributed,
+        dist_timeout_s=runtime.dist_timeout_s,
+        seed=runtime.seed,
+        namespace=runtime.namespace,
+        max_restarts=max_restarts,
+    )
+    here = ray.get_runtime_context().get_node_id()
+    dispatcher = RemoteDispatcher.options(
+        name=label,
+        namespace=runtime.namespace,
+        num_cpus=0,
+        max_concurrency=1000,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True),
+    ).remote(spec)
+    try:
+        desc = wait_with_progress(
+            dispatcher.start.remote(), f"start-up of gang {label} ({len(slots)} worker(s))",
+            runtime.start_timeout_s,
+        )
+    except BaseException as e:
+        ray.kill(dispatcher, no_restart=True)
+        runtime.release(group.name, [s.bundle_index for s, o in zip(slots, owns, strict=True) if o])
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise
+    gang = GangRef(
+        group=group.name,
+        cls_name=cls.__name__,
+        dispatcher=dispatcher,
+        mesh=mesh,
+        gpus_per_worker=group.gpus_per_worker,
+        n_workers=len(slots),
+    )
+    proxy = GangProxy(cls, gang, execute, runtime.lazy_collect, desc)
+    runtime.register(proxy)
+    return proxy

@@ -1,0 +1,247 @@
+"""LazyResult: what a remote_function call returns, and how it travels.
+
+A call returns at once with a LazyResult holding a reference to the call's
+*plan* (the per-rank output ObjectRefs the dispatcher submitted). Nothing is
+fetched until someone needs the value:
+
+    out = sampler.generate(prompts)      # LazyResult, returns immediately
+    scores = out()                       # or out.get(), len(out), list(out)
+    trainer.train_step(out)              # routed: never fetched by the driver
+
+When a LazyResult is an argument of another gang's method, that gang's
+dispatcher routes it: each consumer worker receives a ``Pieces`` marker
+naming only the producer refs that cover its slice, and pulls them from the
+producers' object stores itself (``resolve_routed`` in the worker).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from .dispatch import collect as collect_results
+from .dispatch import concat, take
+from .errors import CallTimeoutError, WorkerDiedError, describe_actor_death
+
+logger = logging.getLogger(__name__)
+
+END_OF_ITERATION = "twinkle_ray:end-of-iteration"
+DEATH_QUERY_TIMEOUT_S = 5.0
+
+
+@dataclass
+class CallOutput:
+    """What the dispatcher returns for one call: refs only, never payload."""
+
+    refs: list  # payload ObjectRef per executing worker
+    metas: list  # ObjectRef of each output's batch length (or None / END_OF_ITERATION)
+    workers: list[int]  # gang rank of each executing worker
+    ended: bool = False  # __next__ reported exhaustion
+
+
+@dataclass
+class GangRef:
+    """Enough about a gang to name it in errors and ask its dispatcher about deaths."""
+
+    group: str
+    cls_name: str
+    dispatcher: Any = field(repr=False)
+    mesh: Any = field(default=None, repr=False)
+    gpus_per_worker: int = 1
+    n_workers: int = 1
+
+    def death_error(self, exc: BaseException, rank: int | None) -> WorkerDiedError:
+        """The WorkerDiedError for a dead worker: the dispatcher's record of the first death."""
+        try:
+            death = ray.get(self.dispatcher.death.remote(), timeout=DEATH_QUERY_TIMEOUT_S)
+        except Exception:  # the dispatcher is gone too: describe what we saw
+            death = None
+        if death is not None:
+            return death
+        node, cause = describe_actor_death(str(exc))
+        return WorkerDiedError(self.group, self.cls_name, rank, node, cause)
+
+
+@dataclass
+class Pieces:
+    """A routed slice of a lazy value: parts of producer outputs, joined in the worker."""
+
+    refs: list
+    windows: list  # per ref: None (whole) or (start, stop)
+    as_list: bool = False  # items are whole per-rank results (collect='none'), not concatenated
+
+    def materialize(self) -> Any:
+        values = ray.get(self.refs)
+        parts = [v if w is None else take(v, *w) for v, w in zip(values, self.windows, strict=True)]
+        if self.as_list:
+            return parts
+        return parts[0] if len(parts) == 1 else concat(parts)
+
+
+@dataclass
+class Collected:
+    """A whole lazy value collected in the consuming worker (mean, sum, custom collects)."""
+
+    refs: list
+    collect: Any
+    workers: list[int]
+    mesh: Any = None
+    gpus_per_worker: int = 1
+    window: tuple[int, int] | None = None
+
+    def materialize(self) -> Any:
+        value = collect_results(
+            self.collect,
+            ray.get(self.refs),
+            device_mesh=self.mesh,
+            gpus_per_worker=self.gpus_per_worker,
+            worker_indices=self.workers,
+        )
+        return value if self.window is None else take(value, *self.window)
+
+
+def resolve_routed(value: Any) -> Any:
+    """Materialise a routed marker (in the worker that consumes it); other values pass through."""
+    if isinstance(value, (Pieces, Collected)):
+        return value.materialize()
+    if isinstance(value, LazyResult):  # a LazyResult passed whole (e.g. in local use)
+        return value.get()
+    return value
+
+
+def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: float | None):
+    """ray.get ``refs`` with our error contract: timeouts name ranks, deaths raise WorkerDiedError,
+    a user exception is re-raised as itself with the group/rank/method noted."""
+    if timeout is not None:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
+        if len(ready) < len(refs):
+            done = {r.hex() for r in ready}
+            late = [w for r, w in zip(refs, workers, strict=True) if r.hex() not in done]
+            raise CallTimeoutError(
+                f"{gang.cls_name}.{method}() on group '{gang.group}': rank(s) {late} did not "
+                f"answer within {timeout:g}s",
+                late,
+            )
+    try:
+        return ray.get(refs)
+    except (RayTaskError, RayActorError, GetTimeoutError):
+        pass
+    for ref, rank in zip(refs, workers, strict=True):  # find which rank failed, in order
+        try:
+            ray.get(ref)
+        except RayActorError as e:
+            raise gang.death_error(e, rank) from None
+        except RayTaskError as e:
+            raise _user_error(e, gang, method, rank) from None
+    return ray.get(refs)
+
+
+def _user_error(e: RayTaskError, gang: GangRef, method: str, rank: int | None) -> BaseException:
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, WorkerDiedError | CallTimeoutError):
+        return cause
+    if isinstance(cause, RayActorError):
+        return gang.death_error(cause, rank)
+    if cause is None:
+        return e
+    where = f"rank {rank} of " if rank is not None else ""
+    note = f"raised in {gang.cls_name}.{method}() on {where}group '{gang.group}'"
+    tb = getattr(e, "traceback_str", "")
+    if hasattr(cause, "add_note"):
+        cause.add_note(note + (f"\nremote traceback:\n{tb}" if tb else ""))
+    return cause
+
+
+class LazyResult:
+    """The per-rank outputs of one call, collected only when needed.
+
+    Materialises on ``get()``, ``()``, ``len()`` and iteration; ``refs`` gives
+    the per-rank ObjectRefs. Passed to another gang's method it is routed, not
+    fetched: payload bytes go straight from producer to consumer workers.
+
+    Example::
+
+        out = model.forward(batch)        # LazyResult
+        out.refs                          # [ObjectRef, ...] one per rank
+        loss = out()                      # collected value
+    """
+
+    __slots__ = ("_plan_ref", "_out", "_value", "_has_value", "collect", "gang", "method", "timeout")
+
+    def __init__(self, plan_ref, *, collect, gang: GangRef, method: str, timeout: float | None = None,
+                 out: CallOutput | None = None):
+        self._plan_ref = plan_ref
+        self._out = out
+        self._value = None
+        self._has_value = False
+        self.collect = collect
+        self.gang = gang
+        self.method = method
+        self.timeout = timeout
+
+    # -- plan and refs -------------------------------------------------------------------------
+    def plan(self) -> CallOutput:
+        """The dispatcher's CallOutput (refs only). Raises the call's routing/death errors."""
+        if self._out is None:
+            try:
+                self._out = ray.get(self._plan_ref)
+            except RayTaskError as e:
+                raise _user_error(e, self.gang, self.method, None) from None
+            except RayActorError as e:
+                raise self.gang.death_error(e, None) from None
+        return self._out
+
+    @property
+    def refs(self) -> list:
+        """Per-rank payload ObjectRefs, in gang-rank order of the executing workers."""
+        return list(self.plan().refs)
+
+    @property
+    def ranks(self) -> list[int]:
+        """Gang ranks that produced each of ``refs``."""
+        return list(self.plan().workers)
+
+    # -- materialising -------------------------------------------------------------------------
+    def get(self, timeout: float | None = None) -> Any:
+        """Fetch and collect the value (cached after the first call)."""
+        if not self._has_value:
+            out = self.plan()
+            t = timeout if timeout is not None else self.timeout
+            values = fetch(out.refs, out.workers, self.gang, self.method, t)
+            self._value = collect_results(
+                self.collect,
+                values,
+                device_mesh=self.gang.mesh,
+                gpus_per_worker=self.gang.gpus_per_worker,
+                worker_indices=out.workers,
+            )
+            self._has_value = True
+        return self._value
+
+    def __call__(self) -> Any:
+        return self.get()
+
+    def __len__(self) -> int:
+        return len(self.get())
+
+    def __iter__(self):
+        return iter(self.get())
+
+    def __repr__(self) -> str:
+        state = "collected" if self._has_value else "pending"
+        return f"LazyResult({self.gang.cls_name}.{self.method} on '{self.gang.group}', {state})"
+
+    def __reduce__(self):
+        # Travels as refs + routing facts; never with a fetched value.
+        return (
+            _rebuild_lazy,
+            (self._plan_ref, self.collect, self.gang, self.method, self.timeout, self._out),
+        )
+
+
+def _rebuild_lazy(plan_ref, collect, gang, method, timeout, out):
+    return LazyResult(plan_ref, collect=collect, gang=gang, method=method, timeout=timeout, out=out)

@@ -1,0 +1,231 @@
+"""DeviceGroup -> Ray placement group: feasibility, reservation, device map.
+
+One placement group per DeviceGroup, one bundle per worker, whole devices.
+After the group is ready, one probe task per bundle reports which devices Ray
+reserved for that bundle; from that the gang rank order is fixed once, sorted
+by (node, first device id) as Ray Train does, and shared by every gang that
+lives on the group.
+
+Example::
+
+    pg = reserve([group], timeout_s=60)[group.name]
+    slots = probe_slots(group, pg)      # rank-ordered BundleSlot list
+    slots[0].node_ip, slots[0].devices  # ('10.0.0.3', [0])
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from .errors import PlacementError
+from .group import DeviceGroup
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_AFTER_S = 5.0
+PROGRESS_EVERY_S = 10.0
+
+
+@dataclass(frozen=True)
+class BundleSlot:
+    """Where one worker of a group runs: its bundle, node and devices."""
+
+    bundle_index: int
+    node_id: str
+    node_ip: str
+    devices: tuple[int, ...]
+
+
+def _fmt(res: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(res.items())) + "}"
+
+
+def _alive_nodes() -> list[dict]:
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+def check_feasible(groups: list[DeviceGroup]) -> None:
+    """Raise PlacementError at once if the cluster can never hold ``groups``.
+
+    Checks the sum of all groups against the cluster's total resources, every
+    bundle against the largest node, and STRICT_PACK groups against one node.
+    A cluster that is only busy passes: that case is the timeout's job.
+    """
+    nodes = _alive_nodes()
+    total: dict[str, float] = {}
+    for n in nodes:
+        for k, v in n["Resources"].items():
+            total[k] = total.get(k, 0.0) + v
+    wanted: dict[str, float] = {}
+    for g in groups:
+        if g.colocate_with:
+            continue
+        for b in g.bundles():
+            for k, v in b.items():
+                wanted[k] = wanted.get(k, 0.0) + v
+    short = {k: v for k, v in wanted.items() if v > total.get(k, 0.0) + 1e-9}
+    if short:
+        names = ", ".join(f"'{g.name}'" for g in groups)
+        raise PlacementError(
+            f"the cluster can never hold group(s) {names}: requested {_fmt(wanted)}, "
+            f"cluster total {_fmt({k: total.get(k, 0.0) for k in wanted})} "
+            f"over {len(nodes)} node(s)"
+        )
+    for g in groups:
+        if g.colocate_with:
+            continue
+        bundles = g.bundles()
+        need = bundles[0]
+        fits_one = [n for n in nodes if all(n["Resources"].get(k, 0) >= v for k, v in need.items())]
+        if not fits_one:
+            raise PlacementError(
+                f"group '{g.name}': one worker needs {_fmt(need)} but no node has that much; "
+                f"largest node has {_fmt(_largest_node(nodes, need))}"
+            )
+        if g.strategy == "STRICT_PACK":
+            whole = {k: v * len(bundles) for k, v in need.items()}
+            if not any(all(n["Resources"].get(k, 0) >= v for k, v in whole.items()) for n in nodes):
+                raise PlacementError(
+                    f"group '{g.name}' (STRICT_PACK): needs {_fmt(whole)} on one node; "
+                    f"largest node has {_fmt(_largest_node(nodes, whole))}"
+                )
+        if g.strategy == "STRICT_SPREAD" and len(fits_one) < len(bundles):
+            raise PlacementError(
+                f"group '{g.name}' (STRICT_SPREAD): needs {len(bundles)} nodes with {_fmt(need)}, "
+                f"the cluster has {len(fits_one)}"
+            )
+
+
+def _largest_node(nodes: list[dict], like: dict) -> dict:
+    key = next(iter(k for k in like if k != "CPU"), "CPU")
+    best = max(nodes, key=lambda n: n["Resources"].get(key, 0), default={"Resources": {}})
+    return {k: best["Resources"].get(k, 0.0) for k in like}
+
+
+def reserve(
+    groups: list[DeviceGroup], *, timeout_s: float, name_prefix: str = "twinkle"
+) -> dict[str, PlacementGroup]:
+    """Create one placement group per group and wait until all are ready.
+
+    Progress is logged (WARNING, so it shows by default) when the wait passes
+    a few seconds. On timeout every placement group made here is removed and
+    PlacementError names the groups still pending.
+    """
+    check_feasible(groups)
+    pgs: dict[str, PlacementGroup] = {}
+    for g in groups:
+        if g.colocate_with:
+            continue
+        pgs[g.name] = placement_group(
+            g.bundles(), strategy=g.strategy, name=f"{name_prefix}/{g.name}"
+        )
+    try:
+        _wait_ready(pgs, groups, timeout_s)
+    except BaseException:
+        for pg in pgs.values():
+            remove_placement_group(pg)
+        raise
+    for g in groups:
+        if g.colocate_with:
+            pgs[g.name] = pgs[g.colocate_with]
+    return pgs
+
+
+def _wait_ready(pgs: dict[str, PlacementGroup], groups: list[DeviceGroup], timeout_s: float):
+    start = time.monotonic()
+    pending = {pg.ready(): name for name, pg in pgs.items()}
+    next_note = PROGRESS_AFTER_S
+    by_name = {g.name: g for g in groups}
+    while pending:
+        elapsed = time.monotonic() - start
+        left = timeout_s - elapsed
+        if left <= 0:
+            waiting = ", ".join(
+                f"'{n}' ({len(by_name[n].bundles())} x {_fmt(by_name[n].bundles()[0])})"
+                for n in pending.values()
+            )
+            raise PlacementError(
+                f"placement of group(s) {waiting} not ready after {timeout_s:g}s: the cluster "
+                f"is busy (available now: {_fmt(ray.available_resources())}); "
+                f"nothing stays reserved"
+            )
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=min(left, 1.0))
+        for ref in ready:
+            pending.pop(ref)
+        if pending and elapsed >= next_note:
+            logger.warning(
+                "waiting for placement of %s: %.0fs of %.0fs",
+                ", ".join(f"'{n}'" for n in pending.values()),
+                elapsed,
+                timeout_s,
+            )
+            next_note += PROGRESS_EVERY_S
+
+
+def resource_options(resource_name: str | None, amount: float, cpus: float) -> dict:
+    """Ray ``.options()`` asking for ``amount`` of an accelerator and ``cpus`` CPUs."""
+    opts: dict = {"num_cpus": cpus}
+    if resource_name == "GPU":
+        opts["num_gpus"] = amount
+    elif resource_name:
+        opts["resources"] = {resource_name: amount}
+    return opts
+
+
+@ray.remote(num_cpus=0)
+def _probe_bundle() -> tuple[str, dict]:
+    ctx = ray.get_runtime_context()
+    return ctx.get_node_id(), ctx.get_accelerator_ids()
+
+
+def probe_slots(group: DeviceGroup, pg: PlacementGroup) -> list[BundleSlot]:
+    """Return one BundleSlot per worker, in gang-rank order.
+
+    Rank order is (node, first device id); nodes are numbered in order of
+    their first bundle. CPU groups have no devices and keep bundle order
+    within a node.
+    """
+    n = group.num_workers
+    table = placement_group_table(pg)
+    bundle_nodes = table["bundles_to_node_id"]
+    ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+    devices: list[tuple[int, ...]] = [()] * n
+    if group.resource_name:
+        refs = [
+            _probe_bundle.options(
+                **resource_options(group.resource_name, group.gpus_per_worker, 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=i
+                ),
+            ).remote()
+            for i in range(n)
+        ]
+        for i, (_, acc) in enumerate(ray.get(refs)):
+            devices[i] = tuple(sorted(int(d) for d in acc.get(group.resource_name, [])))
+    node_order: dict[str, int] = {}
+    for i in range(n):
+        node_order.setdefault(bundle_nodes[i], len(node_order))
+    slots = [
+        BundleSlot(i, bundle_nodes[i], ips.get(bundle_nodes[i], "?"), devices[i]) for i in range(n)
+    ]
+    slots.sort(key=lambda s: (node_order[s.node_id], s.devices[:1] or (s.bundle_index,)))
+    return slots
+
+
+def remove(pg: PlacementGroup) -> None:
+    """Remove a placement group, ignoring one that is already gone."""
+    try:
+        remove_placement_group(pg)
+    except Exception:  # already removed, or Ray is shutting down
+        logger.debug("placement group already removed", exc_info=True)

@@ -1,0 +1,303 @@
+"""initialize / shutdown: the one runtime of a driver process.
+
+``initialize`` connects to Ray (or starts an embedded one), validates every
+DeviceGroup, reserves its placement group and learns its device map before
+returning. ``shutdown`` kills every gang and removes every placement group it
+made, and stops Ray only if it started it. The runtime is held in one module
+variable, as Ray holds its own worker: there is one per driver process.
+
+Example::
+
+    import twinkle_ray as twinkle
+    twinkle.initialize("ray", groups=[twinkle.DeviceGroup("trainer", 4, "cpu")])
+    print(twinkle.get_device_placement())
+    twinkle.shutdown()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from .group import DeviceGroup, check_groups
+
+logger = logging.getLogger(__name__)
+
+_RESOURCE_KWARGS = ("num_cpus", "num_gpus", "resources", "object_store_memory", "labels")
+
+
+@dataclass
+class Runtime:
+    """State of an initialised twinkle_ray driver."""
+
+    mode: str
+    groups: dict[str, DeviceGroup]
+    namespace: str | None = None
+    seed: int | None = 42
+    lazy_collect: bool = True
+    placement_timeout_s: float = 60.0
+    start_timeout_s: float | None = 600.0
+    dist_timeout_s: float = 120.0
+    started_ray: bool = False
+    pgs: dict[str, Any] = field(default_factory=dict)
+    slots: dict[str, list] = field(default_factory=dict)
+    claimed: dict[str, set] = field(default_factory=dict)
+    gangs: list = field(default_factory=list)
+    labels: Counter = field(default_factory=Counter)
+
+    def group(self, name: str) -> DeviceGroup:
+        if name not in self.groups:
+            known = ", ".join(f"'{n}'" for n in self.groups) or "none"
+            raise ValueError(f"unknown remote_group '{name}'; declared groups: {known}")
+        return self.groups[name]
+
+    def new_label(self, group: str, cls_name: str) -> str:
+        key = f"{group}/{cls_name}"
+        self.labels[key] += 1
+        n = self.labels[key]
+        return key if n == 1 else f"{key}-{n}"
+
+    def _device_key(self, group: str) -> str:
+        g = self.groups[group]
+        return g.colocate_with or group
+
+    def claim(self, group: str, bundles: list[int]) -> list[bool]:
+        """Which of ``bundles`` this gang takes devices from (the first gang on them does)."""
+        taken = self.claimed.setdefault(self._device_key(group), set())
+        owns = [b not in taken for b in bundles]
+        taken.update(bundles)
+        return owns
+
+    def release(self, group: str, bundles: list[int]) -> None:
+        self.claimed.get(self._device_key(group), set()).difference_update(bundles)
+
+    def register(self, proxy) -> None:
+        self.gangs.append(proxy)
+
+
+_runtime: Runtime | None = None
+
+
+def current() -> Runtime | None:
+    """The initialised runtime, or None."""
+    return _runtime
+
+
+def initialize(
+    mode: str = "ray",
+    groups: list[DeviceGroup] | None = None,
+    *,
+    address: str | None = None,
+    namespace: str | None = None,
+    seed: int | None = 42,
+    lazy_collect: bool = True,
+    placement_timeout_s: float = 60.0,
+    **ray_init_kwargs: Any,
+) -> None:
+    """Start twinkle_ray: connect Ray and reserve every DeviceGroup.
+
+    mode='ray': use Ray if already initialised here; else attach when
+    ``address`` or RAY_ADDRESS is set (resource arguments are then ignored:
+    the cluster declares its resources); else start an embedded local Ray
+    with ``ray_init_kwargs`` (e.g. ``num_gpus=8`` for virtual GPUs), its
+    dashboard on 127.0.0.1. Every group's placement group is ready before this
+    returns, or PlacementError is raised and nothing stays reserved.
+
+    mode='local': no Ray; remote classes are built in-process.
+
+    Calling it again adds new groups; re-declaring a group differently, or
+    switching mode, raises RuntimeError.
+
+    >>> initialize("local", groups=[DeviceGroup("cpu", 2, "cpu")])
+    >>> shutdown()
+    """
+    global _runtime
+    mode = str(mode).lower()
+    if mode not in ("ray", "local"):
+        raise ValueError(f"initialize: unknown mode {mode!r}; use 'ray' or 'local'")
+    new = list(groups or [])
+    check_groups(new)
+    if _runtime is not None:
+        _extend(_runtime, mode, new)
+        return
+    rt = Runtime(mode=mode, groups={}, namespace=namespace, seed=seed, lazy_collect=lazy_collect,
+                 placement_timeout_s=placement_timeout_s)
+    if mode == "ray":
+        rt.started_ray = _connect(address, namespace, ray_init_kwargs)
+        try:
+            import ray
+
+            rt.namespace = ray.get_runtime_context().namespace
+            _reserve(rt, new)
+        except BaseException:
+            _teardown(rt)
+            raise
+    else:
+        rt.groups.update({g.name: g for g in new})
+    _runtime = rt
+
+
+def _extend(rt: Runtime, mode: str, new: list[DeviceGroup]) -> None:
+    if mode != rt.mode:
+        raise RuntimeError(f"initialize: already initialised in {rt.mode!r} mode; call shutdown() first")
+    fresh = []
+    for g in new:
+        old = rt.groups.get(g.name)
+        if old is None:
+            fresh.append(g)
+        elif old != g:
+            raise RuntimeError(
+                f"initialize: group '{g.name}' is already declared as {old!r}; "
+                f"it cannot be re-declared as {g!r} (call shutdown() first)"
+            )
+    check_groups([*rt.groups.values(), *fresh])
+    if rt.mode == "ray":
+        _reserve(rt, fresh)
+    else:
+        rt.groups.update({g.name: g for g in fresh})
+
+
+def _connect(address: str | None, namespace: str | None, kwargs: dict) -> bool:
+    """Connect to or start Ray; True if this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        dropped = [k for k in _RESOURCE_KWARGS if k in kwargs]
+        if dropped:
+            logger.info("attaching to Ray at %s: ignoring %s (the cluster declares resources)",
+                        address, ", ".join(dropped))
+        rest = {k: v for k, v in kwargs.items() if k not in _RESOURCE_KWARGS}
+        ray.init(address=address, namespace=namespace, **rest)
+        return False
+    kwargs.setdefault("dashboard_host", "127.0.0.1")
+    kwargs.setdefault("log_to_driver", True)
+    ray.init(namespace=namespace, **kwargs)
+    return True
+
+
+def _reserve(rt: Runtime, groups: list[DeviceGroup]) -> None:
+    from .placement import probe_slots, reserve
+
+    if not groups:
+        return
+    for g in groups:
+        if g.colocate_with:
+            host = rt.groups.get(g.colocate_with) or next(
+                (h for h in groups if h.name == g.colocate_with), None)
+            if host is None or (host.num_workers, host.gpus_per_worker) != (g.num_workers, g.gpus_per_worker):
+                raise ValueError(
+                    f"group '{g.name}' colocates with '{g.colocate_with}' but their workers differ; "
+                    f"colocated groups need the same number of workers and gpus_per_worker"
+                )
+    own = [g for g in groups if not (g.colocate_with and g.colocate_with in rt.pgs)]
+    pgs = reserve(own, timeout_s=rt.placement_timeout_s, name_prefix=f"twinkle/{rt.namespace}")
+    for g in groups:
+        rt.groups[g.name] = g
+        rt.pgs[g.name] = pgs.get(g.name) or rt.pgs[g.colocate_with]
+    for g in groups:
+        if g.colocate_with:
+            continue
+        rt.slots[g.name] = probe_slots(g, rt.pgs[g.name])
+    for g in groups:
+        if g.colocate_with:
+            rt.slots[g.name] = rt.slots[g.colocate_with]
+
+
+def gang_for(cls, execute, distributed, max_restarts, remote_group, args, kwargs):
+    """The GangProxy for ``cls(..., remote_group=...)``, or None to build in-process."""
+    rt = _runtime
+    if "TWINKLE_WORKER" in os.environ and rt is None:
+        return None  # inside a worker: Twinkle builds the class in-process
+    if rt is None:
+        raise RuntimeError(
+            f"{cls.__name__}(remote_group='{remote_group}'): twinkle_ray.initialize() has not been "
+            f"called (or shutdown() was); call initialize('ray', groups=[...]) first"
+        )
+    if rt.mode == "local":
+        return None
+    from .gang import create_gang
+    from .mesh import DeviceMesh
+
+    return create_gang(
+        cls, execute=execute, distributed=distributed, max_restarts=max_restarts,
+        group_name=remote_group, args=args, kwargs=kwargs, runtime=rt, mesh_type=DeviceMesh,
+    )
+
+
+def shutdown() -> None:
+    """Kill every gang, remove every placement group, stop Ray if we started it.
+
+    Safe to call twice; ``initialize`` may be called again afterwards.
+    """
+    global _runtime
+    rt, _runtime = _runtime, None
+    if rt is not None:
+        _teardown(rt)
+
+
+def _teardown(rt: Runtime) -> None:
+    if rt.mode != "ray":
+        return
+    import ray
+
+    from .placement import remove
+
+    for proxy in rt.gangs:
+        proxy.close("twinkle_ray.shutdown() was called")
+    rt.gangs.clear()
+    if ray.is_initialized():
+        for pg in {id(pg): pg for pg in rt.pgs.values()}.values():
+            remove(pg)
+    rt.pgs.clear()
+    if rt.started_ray and ray.is_initialized():
+        ray.shutdown()
+
+
+def get(value: Any, timeout: float | None = None) -> Any:
+    """Materialise a LazyResult (or a list/tuple of them); identity on plain values.
+
+    >>> get(3)
+    3
+    """
+    from .lazy import LazyResult
+
+    if isinstance(value, LazyResult):
+        return value.get(timeout)
+    if isinstance(value, list | tuple) and any(isinstance(v, LazyResult) for v in value):
+        return type(value)(get(v, timeout) for v in value)
+    return value
+
+
+def get_device_placement(groups: list[str] | None = None) -> str:
+    """A text picture of the groups: which node and devices each rank has, and the gangs on it.
+
+    >>> initialize("local", groups=[DeviceGroup("data", 1, "cpu")])
+    >>> print(get_device_placement())
+    twinkle_ray topology (local mode: everything runs in-process)
+    group 'data': 1 worker(s), cpu, bundle {CPU: 1}
+    >>> shutdown()
+    """
+    rt = _runtime
+    if rt is None:
+        return "twinkle_ray is not initialised"
+    names = list(groups) if groups else list(rt.groups)
+    lines = [f"twinkle_ray topology ({'local mode: everything runs in-process' if rt.mode == 'local' else 'ray mode'})"]
+    for name in names:
+        g = rt.group(name)
+        b = g.bundles()[0]
+        bundle = "{" + ", ".join(f"{k}: {v:g}" for k, v in b.items()) + "}"
+        extra = f", colocated with '{g.colocate_with}'" if g.colocate_with else ""
+        lines.append(f"group '{name}': {g.num_workers} worker(s), {g.kind}, bundle {bundle}{extra}")
+        for rank, s in enumerate(rt.slots.get(name, [])):
+            dev = f"{g.resource_name} {list(s.devices)}" if g.resource_name else "cpu"
+            lines.append(f"  rank {rank:<3} node {s.node_ip} ({s.node_id[:8]})  {dev:<12} bundle {s.bundle_index}")
+        gangs = [p for p in rt.gangs if p._gang.group == name and not p._closed]
+        for p in gangs:
+            lines.append(f"  gang {p._desc['label']}: {p._gang.n_workers} worker(s), backend {p._desc.get('backend')}")
+    return "\n".join(lines)
