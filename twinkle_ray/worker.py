@@ -149,7 +149,7 @@ class GangWorker:
             raise
         if result is self.instance:  # e.g. __iter__ returning self: keep it here
             return None, None
-        return result, batch_len(result)
+        return result, _meta(result)
 
     @ray.method(concurrency_group="control")
     def watch(self) -> None:
@@ -166,6 +166,14 @@ class GangWorker:
                 dist.destroy_process_group()
         except Exception:  # best effort at teardown
             logger.debug("destroy_process_group failed", exc_info=True)
+
+
+def _meta(result: Any) -> int | None:
+    """The result's batch length for lazy routing; None when it is not one batch."""
+    try:
+        return batch_len(result)
+    except (TypeError, ValueError):  # e.g. a dict whose values differ in length
+        return None
 
 
 def _url_host(addr: str) -> str:

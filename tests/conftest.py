@@ -1,0 +1,73 @@
+"""Shared fixtures: one Ray instance per test session, loopback only.
+
+``ray_session`` starts Ray once with 8 virtual GPUs and 16 virtual CPUs (the
+machine has 2 cores; virtual CPUs only let more actors be placed).
+``runtime`` gives a test a fresh twinkle_ray runtime on that Ray and, after
+the test, shuts it down and checks that nothing of ours is left: no live
+actor in the test namespace and no placement group of ours.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+# Ray binds every service to loopback (before ray is imported anywhere).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+import pytest  # noqa: E402
+
+NAMESPACE = "twinkle-tests"
+NUM_GPUS = 8
+NUM_CPUS = 16
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=NUM_CPUS,
+            num_gpus=NUM_GPUS,
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            namespace=NAMESPACE,
+            log_to_driver=False,
+        )
+    yield ray
+    ray.shutdown()
+
+
+def leftovers(timeout_s: float = 10.0) -> tuple[list, list]:
+    """Our live actors and placement groups, waiting up to ``timeout_s`` for kills to land."""
+    import ray
+    from ray.util import state
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        actors = [
+            a for a in state.list_actors(filters=[("state", "!=", "DEAD")], limit=10_000)
+            if a.get("ray_namespace") == NAMESPACE
+        ]
+        pgs = [
+            (pid, pg["name"]) for pid, pg in ray.util.placement_group_table().items()
+            if pg["name"].startswith("twinkle/") and pg["state"] != "REMOVED"
+        ]
+        if (not actors and not pgs) or time.monotonic() > deadline:
+            return actors, pgs
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def runtime(ray_session):
+    """A clean twinkle_ray runtime per test; fails the test if it leaks actors or PGs."""
+    import twinkle_ray
+
+    twinkle_ray.shutdown()
+    yield twinkle_ray
+    twinkle_ray.shutdown()
+    actors, pgs = leftovers()
+    assert not actors, f"leaked actors: {[a.get('name') for a in actors]}"
+    assert not pgs, f"leaked placement groups: {pgs}"
