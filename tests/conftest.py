@@ -19,6 +19,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 import pytest  # noqa: E402
 
 NAMESPACE = "twinkle-tests"
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 NUM_GPUS = 8
 NUM_CPUS = 16
 
@@ -35,22 +36,32 @@ def ray_session():
             dashboard_host="127.0.0.1",
             namespace=NAMESPACE,
             log_to_driver=False,
+            # Workers import classes defined in test modules by reference.
+            runtime_env={"env_vars": {"PYTHONPATH": TESTS_DIR}},
         )
     yield ray
     ray.shutdown()
 
 
-def leftovers(timeout_s: float = 10.0) -> tuple[list, list]:
-    """Our live actors and placement groups, waiting up to ``timeout_s`` for kills to land."""
+def live_actors() -> list[dict]:
+    """Live actors of the test namespace (state API of *this* session's Ray)."""
     import ray
     from ray.util import state
 
+    address = ray.get_runtime_context().gcs_address
+    return [
+        a for a in state.list_actors(address=address, filters=[("state", "!=", "DEAD")], limit=10_000)
+        if a.get("ray_namespace") == NAMESPACE
+    ]
+
+
+def leftovers(timeout_s: float = 10.0) -> tuple[list, list]:
+    """Our live actors and placement groups, waiting up to ``timeout_s`` for kills to land."""
+    import ray
+
     deadline = time.monotonic() + timeout_s
     while True:
-        actors = [
-            a for a in state.list_actors(filters=[("state", "!=", "DEAD")], limit=10_000)
-            if a.get("ray_namespace") == NAMESPACE
-        ]
+        actors = live_actors()
         pgs = [
             (pid, pg["name"]) for pid, pg in ray.util.placement_group_table().items()
             if pg["name"].startswith("twinkle/") and pg["state"] != "REMOVED"

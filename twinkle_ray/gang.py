@@ -279,7 +279,7 @@ def create_gang(
     slots = runtime.slots[group.name]
     if execute == "first":
         slots = slots[:1]
-    elif mesh is not None and mesh.world_size != group.num_devices:
+    elif mesh is not None and mesh.world_size != (group.num_devices or group.num_workers):
         raise ValueError(
             f"{cls.__name__} on group '{group.name}': its DeviceMesh has world size "
             f"{mesh.world_size} but the group has {group.num_devices} device(s)"
@@ -322,6 +322,13 @@ def create_gang(
         cause = getattr(e, "cause", None)
         if isinstance(cause, Exception):
             raise cause from None
+        if isinstance(e, ray.exceptions.RayActorError):
+            raise RuntimeError(
+                f"gang {label}: its dispatcher could not be created, most often because "
+                f"{cls.__module__}.{cls.__qualname__} or its arguments cannot be unpickled in a Ray "
+                f"worker (a module workers cannot import? ship it with runtime_env "
+                f"working_dir/py_modules). Ray said: {str(e).splitlines()[0]}"
+            ) from None
         raise
     gang = GangRef(
         group=group.name,
