@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ray
@@ -189,16 +190,24 @@ def _probe_bundle() -> tuple[str, dict]:
     return ctx.get_node_id(), ctx.get_accelerator_ids()
 
 
-def probe_slots(group: DeviceGroup, pg: PlacementGroup) -> list[BundleSlot]:
+def probe_slots(
+    group: DeviceGroup, pg: PlacementGroup, bundle_indices: Sequence[int] | None = None
+) -> list[BundleSlot]:
     """Return one BundleSlot per worker, in gang-rank order.
 
     Rank order is (node, first device id); nodes are numbered in order of
     their first bundle. CPU groups have no devices and keep bundle order
-    within a node.
+    within a node. ``bundle_indices`` names the bundles of ``pg`` the workers
+    use (default ``0..n-1``; a Serve replica's gang uses ``1..n``).
     """
     n = group.num_workers
+    index = list(range(n)) if bundle_indices is None else [int(b) for b in bundle_indices]
+    if len(index) != n:
+        raise ValueError(
+            f"group '{group.name}' has {n} worker(s) but {len(index)} bundle indices were given"
+        )
     table = placement_group_table(pg)
-    bundle_nodes = table["bundles_to_node_id"]
+    bundle_nodes = {i: table["bundles_to_node_id"][b] for i, b in enumerate(index)}
     ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
     devices: list[tuple[int, ...]] = [()] * n
     if group.resource_name:
@@ -206,7 +215,7 @@ def probe_slots(group: DeviceGroup, pg: PlacementGroup) -> list[BundleSlot]:
             _probe_bundle.options(
                 **resource_options(group.resource_name, group.gpus_per_worker, 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=i
+                    pg, placement_group_bundle_index=index[i]
                 ),
             ).remote()
             for i in range(n)
@@ -217,7 +226,8 @@ def probe_slots(group: DeviceGroup, pg: PlacementGroup) -> list[BundleSlot]:
     for i in range(n):
         node_order.setdefault(bundle_nodes[i], len(node_order))
     slots = [
-        BundleSlot(i, bundle_nodes[i], ips.get(bundle_nodes[i], "?"), devices[i]) for i in range(n)
+        BundleSlot(index[i], bundle_nodes[i], ips.get(bundle_nodes[i], "?"), devices[i])
+        for i in range(n)
     ]
     slots.sort(key=lambda s: (node_order[s.node_id], s.devices[:1] or (s.bundle_index,)))
     return slots

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,7 @@ class Runtime:
     claimed: dict[str, set] = field(default_factory=dict)
     gangs: list = field(default_factory=list)
     labels: Counter = field(default_factory=Counter)
+    adopted: set = field(default_factory=set)  # groups on a placement group someone else owns
 
     def group(self, name: str) -> DeviceGroup:
         if name not in self.groups:
@@ -106,6 +108,10 @@ def initialize(
     dashboard on 127.0.0.1. Every group's placement group is ready before this
     returns, or PlacementError is raised and nothing stays reserved.
 
+    ``namespace`` is where gang actors are named; it defaults to the Ray
+    job's namespace (when Ray is already initialised, an explicit namespace
+    still names our actors, e.g. one per Serve replica).
+
     mode='local': no Ray; remote classes are built in-process.
 
     Calling it again adds new groups; re-declaring a group differently, or
@@ -130,7 +136,7 @@ def initialize(
         try:
             import ray
 
-            rt.namespace = ray.get_runtime_context().namespace
+            rt.namespace = namespace or ray.get_runtime_context().namespace
             _reserve(rt, new)
         except BaseException:
             _teardown(rt)
@@ -209,6 +215,73 @@ def _reserve(rt: Runtime, groups: list[DeviceGroup]) -> None:
             rt.slots[g.name] = rt.slots[g.colocate_with]
 
 
+def adopt_placement_group(
+    group: DeviceGroup,
+    pg: Any,
+    bundle_indices: Sequence[int] | None = None,
+    *,
+    timeout_s: float | None = None,
+) -> None:
+    """Declare ``group`` on an existing placement group instead of reserving one.
+
+    For a process that already owns a placement group, e.g. a Ray Serve
+    replica created with ``placement_group_bundles`` (see twinkle_ray.serve):
+    worker i of the group runs on bundle ``bundle_indices[i]`` of ``pg``
+    (default ``0..n-1``). Each of those bundles must hold one worker's bundle
+    (``group.bundles()[0]``). The runtime never removes an adopted placement
+    group; ``shutdown()`` only kills the gangs on it. Call ``initialize('ray')``
+    first.
+
+    Example (inside a Serve replica whose bundle 0 holds the replica)::
+
+        twinkle_ray.initialize("ray")
+        pg = ray.util.get_current_placement_group()
+        adopt_placement_group(DeviceGroup("sampler", 2), pg, bundle_indices=[1, 2])
+        sampler = Sampler(remote_group="sampler")
+    """
+    from .placement import probe_slots
+
+    rt = _runtime
+    if rt is None or rt.mode != "ray":
+        raise RuntimeError("adopt_placement_group: call twinkle_ray.initialize('ray') first")
+    if group.colocate_with:
+        raise ValueError(
+            f"adopt_placement_group: group '{group.name}' has colocate_with set; an adopted "
+            f"group brings its own placement group"
+        )
+    if group.name in rt.groups:
+        raise RuntimeError(f"adopt_placement_group: group '{group.name}' is already declared")
+    check_groups([*rt.groups.values(), group])
+    n = group.num_workers
+    index = list(range(n)) if bundle_indices is None else [int(b) for b in bundle_indices]
+    specs = list(pg.bundle_specs)
+    if len(index) != n or len(set(index)) != n or any(not 0 <= b < len(specs) for b in index):
+        raise ValueError(
+            f"adopt_placement_group: group '{group.name}' has {n} worker(s); bundle_indices "
+            f"{index} must name {n} distinct bundles of a placement group with {len(specs)}"
+        )
+    need = group.bundles()[0]
+    for b in index:
+        short = {k: v for k, v in need.items() if specs[b].get(k, 0.0) + 1e-9 < v}
+        if short:
+            raise ValueError(
+                f"adopt_placement_group: bundle {b} {specs[b]} cannot hold one worker of group "
+                f"'{group.name}', which needs {need}"
+            )
+    wait = rt.placement_timeout_s if timeout_s is None else timeout_s
+    if not pg.wait(wait):
+        from .errors import PlacementError
+
+        raise PlacementError(
+            f"adopt_placement_group: placement group of group '{group.name}' not ready after {wait:g}s"
+        )
+    slots = probe_slots(group, pg, index)
+    rt.groups[group.name] = group
+    rt.pgs[group.name] = pg
+    rt.slots[group.name] = slots
+    rt.adopted.add(group.name)
+
+
 def gang_for(cls, execute, distributed, max_restarts, remote_group, args, kwargs):
     """The GangProxy for ``cls(..., remote_group=...)``, or None to build in-process."""
     rt = _runtime
@@ -252,8 +325,10 @@ def _teardown(rt: Runtime) -> None:
         proxy.close("twinkle_ray.shutdown() was called")
     rt.gangs.clear()
     if ray.is_initialized():
-        for pg in {id(pg): pg for pg in rt.pgs.values()}.values():
-            remove(pg)
+        kept = {id(rt.pgs[name]) for name in rt.adopted if name in rt.pgs}
+        for key, pg in {id(pg): pg for pg in rt.pgs.values()}.items():
+            if key not in kept:  # an adopted placement group belongs to its creator
+                remove(pg)
     rt.pgs.clear()
     if rt.started_ray and ray.is_initialized():
         ray.shutdown()
