@@ -68,9 +68,11 @@ class Dispatcher:
     def __init__(self, spec: GangSpec):
         self.spec = spec
         self.workers: list = []
+        self.names: list[str] = []
         self.generation = 0
         self.restarts = 0
-        self.dead: WorkerDiedError | None = None
+        self.dead: WorkerDiedError | None = None  # the current gang is dead
+        self.last_death: WorkerDiedError | None = None  # kept across restarts for pending calls
         self.backend: str | None = None
         self.stopped = False
         self._order = asyncio.Lock()
@@ -108,6 +110,7 @@ class Dispatcher:
                     env={**g.env, **spec.env},
                 )
             )
+        self.names = [info.name for info in infos]
         self.workers = [
             make_worker(
                 info,
@@ -148,8 +151,7 @@ class Dispatcher:
         if self._restart_task is not None and not self._restart_task.done():
             await self._restart_task
             return self.describe()
-        await self._kill_workers()
-        return await self.start()
+        return await self._kill_and_start()
 
     async def stop(self) -> None:
         """Leave torch.distributed where possible, then kill every worker."""
@@ -193,20 +195,27 @@ class Dispatcher:
         rank, exc = next(iter(done)).result()
         node, cause = describe_actor_death(str(exc)) if exc else (None, "watch ended")
         node = node or self.spec.slots[rank].node_ip
-        self.dead = WorkerDiedError(self.spec.group.name, self.spec.cls_name, rank, node, cause)
+        self.dead = self.last_death = WorkerDiedError(
+            self.spec.group.name, self.spec.cls_name, rank, node, cause
+        )
         logger.warning("%s", self.dead)
-        await self._kill_workers()
         if self.restarts < self.spec.max_restarts and not self.stopped:
             self.restarts += 1
-            self._restart_task = asyncio.ensure_future(self.start())
+            self._restart_task = asyncio.ensure_future(self._kill_and_start())
+        else:
+            await self._kill_workers()
+
+    async def _kill_and_start(self) -> dict:
+        await self._kill_workers()
+        return await self.start()
 
     async def death(self, wait_s: float = 2.0) -> WorkerDiedError | None:
-        """The first death of the current gang; waits briefly for the watcher to record one."""
+        """The first death seen (kept across restarts); waits briefly for the watcher to record one."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
-        while self.dead is None and loop.time() < deadline:
+        while self.last_death is None and loop.time() < deadline:
             await asyncio.sleep(0.02)
-        return self.dead
+        return self.last_death
 
     async def check_health(self) -> None:
         """Raise WorkerDiedError if the gang is dead (Serve's health check calls this)."""
@@ -229,6 +238,7 @@ class Dispatcher:
             "ranks": [
                 {
                     "rank": r,
+                    "name": self.names[r] if r < len(self.names) else None,
                     "bundle": s.bundle_index,
                     "node_ip": s.node_ip,
                     "node_id": s.node_id,
@@ -255,10 +265,12 @@ class Dispatcher:
         routed here. ``wait_meta`` waits for the outputs' length records (used by
         iteration to see StopIteration).
         """
+        if self._restart_task is not None and not self._restart_task.done():
+            await asyncio.shield(self._restart_task)  # an automatic rebuild is under way
         if self.dead is not None:
             raise self.dead
         if not self.workers:
-            raise RuntimeError(f"gang {self.spec.label} is not running (stopped or restarting)")
+            raise RuntimeError(f"gang {self.spec.label} is not running (stopped)")
         n = len(self.workers)
         if execute == "first":
             targets = [0]
