@@ -96,6 +96,10 @@ MULTINODE = textwrap.dedent(
         twinkle.initialize(address=cluster.address, groups=[DeviceGroup("g", 4, "cuda")])
         w = W(remote_group="g")
         print("RESULT " + json.dumps(w.where()()))
+        try:  # a node-local gang larger than any node: refused at once
+            twinkle.initialize(groups=[DeviceGroup("packed", 4, "cuda", strategy="STRICT_PACK")])
+        except twinkle.PlacementError as e:
+            print("PLACEMENT " + str(e))
         twinkle.shutdown()
         ray.shutdown()
     finally:
@@ -121,6 +125,9 @@ def test_multinode_gang_spans_two_nodes():
     # (node, device) order: devices ascend within each node
     assert [r["CUDA_VISIBLE_DEVICES"] for r in rows] == ["0", "1", "0", "1"]
     assert {r["sum"] for r in rows} == {4.0}  # gloo all-reduce across both nodes
+    placement = next((x for x in proc.stdout.splitlines() if x.startswith("PLACEMENT ")), "")
+    assert "group 'packed' (STRICT_PACK): needs {CPU: 4, GPU: 4} on one node" in placement
+    assert "largest node has {CPU: 2, GPU: 2}" in placement
 
 
 def test_quickstart_example_runs():

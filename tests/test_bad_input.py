@@ -1,0 +1,100 @@
+"""Bad input and placement failures: a clear error naming the thing, before any worker runs."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import ray
+
+from conftest import leftovers
+from twinkle_ray import (
+    DeviceGroup,
+    PlacementError,
+    initialize,
+    remote_class,
+    remote_function,
+    shutdown,
+)
+
+
+@remote_class()
+class Echo:
+    @remote_function(dispatch="slice", collect="flatten")
+    def pair(self, xs: list, ys: list) -> list:
+        return list(zip(xs, ys, strict=True))
+
+    @remote_function(dispatch="all")
+    def take(self, obj) -> str:
+        return type(obj).__name__
+
+
+def test_unknown_modes_fail_at_decoration():
+    with pytest.raises(ValueError, match="dispatch mode 'slice_tp'"):
+        remote_function(dispatch="slice_tp")
+    with pytest.raises(ValueError, match="collect mode 'avg'"):
+        remote_function(collect="avg")
+    with pytest.raises(ValueError, match="execute mode 'some'"):
+        remote_function(execute="some")
+    with pytest.raises(ValueError, match="execute mode 'rank0'"):
+        remote_class(execute="rank0")
+
+
+def test_overlapping_explicit_ranks():
+    with pytest.raises(ValueError, match=r"'a'.*'b'.*\[2, 3\]|'b'.*'a'.*\[2, 3\]"):
+        initialize("local", groups=[DeviceGroup("a", [0, 1, 2, 3]), DeviceGroup("b", [2, 3, 4, 5])])
+
+
+def test_errors_need_a_runtime():
+    shutdown()
+    with pytest.raises(RuntimeError, match=r"Echo\(remote_group='g'\): twinkle_ray.initialize\(\) has not been called"):
+        Echo(remote_group="g")
+
+
+def test_bad_input_on_a_live_gang(runtime):
+    runtime.initialize(groups=[DeviceGroup("g", 2, "cpu")])
+    with pytest.raises(ValueError, match=r"unknown remote_group 'gg'; declared groups: 'g'"):
+        Echo(remote_group="gg")
+    e = Echo(remote_group="g")
+    with pytest.raises(ValueError, match=r"pair\(\) on group 'g'.*lengths|pair\(\) on group 'g'.*3.*4"):
+        e.pair([1, 2, 3], [1, 2, 3, 4])
+    with pytest.raises(ValueError, match=r"pair\(\) on group 'g'.*1 items.*2"):
+        e.pair([1], [2])
+    with pytest.raises(TypeError, match=r"Echo.take\(\) on group 'g': argument 0 of type lock cannot be pickled"):
+        e.take(threading.Lock())
+    assert e.take(3)() == ["int", "int"]  # still healthy after rejected calls
+    with pytest.raises(RuntimeError, match="group 'g' is already declared"):
+        runtime.initialize(groups=[DeviceGroup("g", 3, "cpu")])
+    runtime.initialize(groups=[DeviceGroup("g", 2, "cpu")])  # the same declaration again is fine
+    with pytest.raises(RuntimeError, match="already initialised in 'ray' mode"):
+        runtime.initialize("local")
+    runtime.shutdown()
+    with pytest.raises(RuntimeError, match=r"gang g/Echo is gone \(twinkle_ray.shutdown\(\) was called\)"):
+        e.take(1)
+
+
+def test_group_the_cluster_can_never_hold(runtime):
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError, match=r"can never hold group\(s\) 'huge'.*GPU: 16.*GPU: 8"):
+        runtime.initialize(groups=[DeviceGroup("huge", 16, "cuda")])
+    assert time.monotonic() - t0 < 15  # at once, not after a timeout
+    assert not ray.util.placement_group_table() or leftovers(1)[1] == []
+
+
+def test_busy_cluster_times_out_and_leaves_nothing(runtime, caplog, monkeypatch):
+    from twinkle_ray import placement
+
+    monkeypatch.setattr(placement, "PROGRESS_AFTER_S", 0.5)
+    runtime.initialize(groups=[DeviceGroup("all8", 8, "cuda")], placement_timeout_s=2.0)
+    caplog.set_level(logging.WARNING, logger="twinkle_ray")
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError, match=r"'late' \(2 x \{CPU: 1, GPU: 1\}\) not ready after 2s.*busy.*nothing stays reserved"):
+        runtime.initialize(groups=[DeviceGroup("late", 2, "cuda")])
+    assert 1.5 < time.monotonic() - t0 < 20
+    assert any("waiting for placement of 'late'" in r.getMessage() for r in caplog.records)
+    names = [pg["name"] for pg in ray.util.placement_group_table().values()
+             if pg["state"] != "REMOVED"]
+    assert not any(n.endswith("/late") for n in names)
+    assert runtime.get_device_placement().count("group '") == 1  # 'late' was not added
