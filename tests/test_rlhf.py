@@ -1,0 +1,58 @@
+"""The GRPO example learns: examples/rlhf_grpo.py --quick, run through the session's Ray."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import ray.cloudpickle
+
+import twinkle_ray
+from conftest import leftovers
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "rlhf_grpo.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("rlhf_grpo_example", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    ray.cloudpickle.register_pickle_by_value(mod)  # workers cannot import it by name
+    return mod
+
+
+def test_grpo_example_quick_run_learns(ray_session, capsys, tmp_path):
+    example = load_example()
+    twinkle_ray.shutdown()
+    try:
+        assert example.main(["--quick", "--plot", str(tmp_path / "reward.png")]) == 0
+    finally:
+        twinkle_ray.shutdown()
+    out = capsys.readouterr().out
+    rewards = [float(x) for x in re.findall(r"^step +\d+/\d+ +reward ([0-9.]+)", out, re.M)]
+    assert len(rewards) == 20, out
+    first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
+    with capsys.disabled():
+        print(f"\nGRPO --quick: mean reward first 5 steps {first:.3f} -> last 5 steps {last:.3f}")
+        print(out[out.index("reward curve"):])
+    assert last > first + 0.1, f"no clear learning signal: {first:.3f} -> {last:.3f}"
+    assert "reward curve" in out and "weight sync:" in out
+    actors, pgs = leftovers()
+    assert not actors and not pgs, (actors, pgs)
+
+
+def test_reward_and_policy_shapes():
+    example = load_example()
+    import torch
+
+    prompts = torch.tensor([[0, 1, 2, 3, 4, 9]])
+    assert example.target(prompts).tolist() == [[0, 2, 4, 6, 8, 4]]
+    answers, logp = example.Policy().generate(prompts.repeat(3, 1), torch.Generator().manual_seed(0))
+    assert answers.shape == (3, 6) and logp.shape == (3, 6) and bool((logp <= 0).all())
+    lp = example.Policy()(prompts, answers[:1])
+    assert lp.shape == (1, 6, 10)
+    assert example.reward_curve([0.1, 0.2, 0.3], window=2).count("\n  steps") == 2
