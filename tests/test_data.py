@@ -7,9 +7,9 @@ import functools
 import itertools
 
 import pytest
-from conftest import leftovers
 
 import twinkle_ray
+from conftest import leftovers
 from twinkle_ray import DeviceGroup, DeviceMesh, remote_class, remote_function
 from twinkle_ray.data import DataLoader
 from twinkle_ray.sampler import DeviceMeshSampler

@@ -35,6 +35,7 @@ from .worker import WorkerInfo, make_worker
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 2.0
+TURN_WAIT_S = 60.0  # how long a call waits for its caller's previous call to arrive
 
 
 @dataclass
@@ -75,7 +76,8 @@ class Dispatcher:
         self.last_death: WorkerDiedError | None = None  # kept across restarts for pending calls
         self.backend: str | None = None
         self.stopped = False
-        self._order = asyncio.Lock()
+        self._turns: dict[str, int] = {}  # caller id -> sequence number of its next call
+        self._turn_changed = asyncio.Condition()
         self._watch_task: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
 
@@ -257,28 +259,35 @@ class Dispatcher:
         execute: str,
         caller: tuple[int, int] | None = None,
         wait_meta: bool = False,
+        turn: tuple[str, int] | None = None,
     ) -> CallOutput:
         """Route and submit one call; return the output refs without waiting for them.
 
         ``per_worker`` holds each worker's (args, kwargs) as the caller already
         split them (plain values and ObjectRefs); LazyResult arguments in it are
-        routed here. ``wait_meta`` waits for the outputs' length records (used by
-        iteration to see StopIteration).
+        routed here. ``turn`` = (caller id, sequence number): Ray may start an
+        async actor's tasks out of order, so each caller's calls are taken
+        strictly in the order it made them. That keeps per-worker order, and
+        since a producer call is always made before its consumers, waiting
+        for routed producers can never form a cycle. ``wait_meta`` waits for
+        the outputs' length records (iteration uses it to see StopIteration).
         """
-        if self._restart_task is not None and not self._restart_task.done():
-            await asyncio.shield(self._restart_task)  # an automatic rebuild is under way
-        if self.dead is not None:
-            raise self.dead
-        if not self.workers:
-            raise RuntimeError(f"gang {self.spec.label} is not running (stopped)")
-        n = len(self.workers)
-        if execute == "first":
-            targets = [0]
-        elif execute == "peer" and caller is not None:
-            targets = peer_workers(caller[0], caller[1], n)
-        else:
-            targets = list(range(n))
-        async with self._order:  # routing may await; keep per-worker submission order
+        if turn is not None:
+            await self._wait_turn(*turn)
+        try:
+            if self._restart_task is not None and not self._restart_task.done():
+                await asyncio.shield(self._restart_task)  # an automatic rebuild is under way
+            if self.dead is not None:
+                raise self.dead
+            if not self.workers:
+                raise RuntimeError(f"gang {self.spec.label} is not running (stopped)")
+            n = len(self.workers)
+            if execute == "first":
+                targets = [0]
+            elif execute == "peer" and caller is not None:
+                targets = peer_workers(caller[0], caller[1], n)
+            else:
+                targets = list(range(n))
             routes: dict[int, list] = {}
             refs, metas = [], []
             for i in targets:
@@ -290,10 +299,29 @@ class Dispatcher:
                 )
                 refs.append(payload)
                 metas.append(meta)
+        finally:
+            if turn is not None:
+                await self._end_turn(turn[0])
         ended = False
         if wait_meta:
             ended = any(m == END_OF_ITERATION for m in await asyncio.gather(*metas))
         return CallOutput(refs=refs, metas=metas, workers=targets, ended=ended)
+
+    async def _wait_turn(self, caller: str, seq: int) -> None:
+        async with self._turn_changed:
+            try:
+                await asyncio.wait_for(
+                    self._turn_changed.wait_for(lambda: self._turns.get(caller, 0) >= seq),
+                    TURN_WAIT_S,
+                )
+            except asyncio.TimeoutError:
+                logger.warning("gang %s: call %d of caller %s waited %.0fs for its predecessor; "
+                               "going ahead", self.spec.label, seq, caller, TURN_WAIT_S)
+
+    async def _end_turn(self, caller: str) -> None:
+        async with self._turn_changed:
+            self._turns[caller] = self._turns.get(caller, 0) + 1
+            self._turn_changed.notify_all()
 
     async def _route(self, method, args, kwargs, i, dispatch, routes):
         async def one(v):

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+import uuid
 from typing import Any
 
 import cloudpickle
@@ -144,6 +146,10 @@ class GangProxy:
         self._desc = desc
         self._closed: str | None = None
         self._methods: dict[str, RemoteMethod] = {}
+        # Calls are numbered per proxy so the dispatcher takes them in the order made here.
+        self._caller_id = uuid.uuid4().hex
+        self._next_turn = 0
+        self._turn_lock = threading.Lock()
 
     # -- lookup --------------------------------------------------------------------------------
     @classmethod
@@ -189,7 +195,12 @@ class GangProxy:
         execute = "first" if self._execute == "first" else spec.execute
         caller = _caller() if execute == "peer" else None
         try:
-            plan = g.dispatcher.call.remote(name, per_worker, spec.dispatch, execute, caller, wait_meta)
+            with self._turn_lock:  # numbers follow submission order, also across threads
+                turn = (self._caller_id, self._next_turn)
+                plan = g.dispatcher.call.remote(
+                    name, per_worker, spec.dispatch, execute, caller, wait_meta, turn
+                )
+                self._next_turn += 1  # only a submitted call takes a turn
         except Exception as e:
             why = _unpicklable(args, kwargs)
             if why is None:

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 END_OF_ITERATION = "twinkle_ray:end-of-iteration"
 DEATH_QUERY_TIMEOUT_S = 5.0
+ERROR_GRACE_S = 2.0  # after a failure, how long to wait for the other ranks' outcomes
 
 
 @dataclass
@@ -130,13 +131,28 @@ def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: f
         return ray.get(refs)
     except (RayTaskError, RayActorError, GetTimeoutError):
         pass
-    for ref, rank in zip(refs, workers, strict=True):  # find which rank failed, in order
-        try:
-            ray.get(ref)
-        except RayActorError as e:
+    # Something failed. Look at every rank (briefly): a dead worker explains its peers'
+    # collective errors, so a death anywhere outranks a user exception.
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=ERROR_GRACE_S)
+    done = set(ready)
+    failures: list[tuple[int, BaseException]] = []
+    for ref, rank in zip(refs, workers, strict=True):
+        if ref in done:
+            try:
+                ray.get(ref)
+            except (RayActorError, RayTaskError) as e:
+                failures.append((rank, e))
+    for rank, e in failures:
+        if isinstance(e, RayActorError) or isinstance(getattr(e, "cause", None), RayActorError):
             raise gang.death_error(e, rank) from None
-        except RayTaskError as e:
-            raise _user_error(e, gang, method, rank) from None
+    if failures:
+        rank, e = failures[0]
+        err = _user_error(e, gang, method, rank)
+        if pending and hasattr(err, "add_note"):
+            late = [w for r, w in zip(refs, workers, strict=True) if r not in done]
+            err.add_note(f"rank(s) {late} are still running (blocked in a collective?); "
+                         f"call restart() on the gang if they do not finish")
+        raise err from None
     return ray.get(refs)
 
 
