@@ -204,6 +204,14 @@ def test_actor_names_read_well_in_dashboard(gangs):
     assert {"a/Probe", "b/Probe", "a/Probe/0", "a/Probe/3", "b/Probe/2"} <= names
 
 
+def test_lookup_by_name_from_anywhere(gangs):
+    from conftest import NAMESPACE
+    from twinkle_ray.gang import GangProxy
+
+    found = GangProxy.lookup("b/Probe", namespace=NAMESPACE)
+    assert found.received([1, 2])() == [[1]] * 2 + [[2]] * 2  # same mesh routing as the original
+
+
 def test_gloo_all_reduce(gangs):
     a, b = gangs
     assert a.allreduce()() == 1 + 2 + 3 + 4

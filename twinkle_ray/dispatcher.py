@@ -226,6 +226,22 @@ class Dispatcher:
         if not self.workers:
             raise RuntimeError(f"gang {self.spec.label} is not running")
 
+    def proxy(self):
+        """A GangProxy for this gang, for callers that found it by name (GangProxy.lookup)."""
+        from .gang import GangProxy
+        from .lazy import GangRef
+
+        gang = GangRef(
+            group=self.spec.group.name,
+            cls_name=self.spec.cls_name,
+            dispatcher=ray.get_runtime_context().current_actor,
+            mesh=self.spec.mesh,
+            gpus_per_worker=self.spec.group.gpus_per_worker,
+            n_workers=len(self.spec.slots),
+        )
+        execute = "first" if len(self.spec.slots) == 1 else "all"
+        return GangProxy(self.spec.cls, gang, execute, True, self.describe())
+
     def describe(self) -> dict:
         """The gang's topology: one row per rank."""
         g = self.spec.group
