@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import ray.cloudpickle
 
 import twinkle_ray
@@ -56,3 +57,32 @@ def test_reward_and_policy_shapes():
     lp = example.Policy()(prompts, answers[:1])
     assert lp.shape == (1, 6, 10)
     assert example.reward_curve([0.1, 0.2, 0.3], window=2).count("\n  steps") == 2
+
+
+# ------------------------------------------------------------------------------ GPU adapters
+def test_gpu_adapters_say_clearly_what_is_missing():
+    sys.path.insert(0, str(EXAMPLE.parent.parent))
+    from examples.vllm_megatron import grpo
+    from examples.vllm_megatron.common import MissingDependency
+    from examples.vllm_megatron.megatron_trainer import MegatronTrainer, pad_batch
+    from examples.vllm_megatron.vllm_sampler import VLLMSampler
+
+    mesh = twinkle_ray.DeviceMesh.from_sizes(dp_size=1, device_type="cpu")
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(MissingDependency, match="needs `vllm`, which is not installed"):
+            VLLMSampler("any/model", device_mesh=mesh)
+    if importlib.util.find_spec("megatron") is None:
+        with pytest.raises(MissingDependency, match="needs `megatron.bridge`, which is not installed"):
+            MegatronTrainer("any/model", device_mesh=mesh)
+        assert grpo.check() == 2
+
+    # The trainer's batch layout (pure torch): completion tokens masked, log-probs aligned.
+    import torch
+
+    rows = [{"prompt_ids": [5, 6], "completion_ids": [7, 8, 9], "logprobs": [-0.1, -0.2, -0.3]},
+            {"prompt_ids": [5], "completion_ids": [4], "logprobs": [-0.5]}]
+    b = pad_batch(rows, {"advantage": [1.0, -1.0]}, torch.device("cpu"))
+    assert b["tokens"].tolist() == [[5, 6, 7, 8, 9], [5, 4, 0, 0, 0]]
+    assert b["mask"].tolist() == [[0, 1, 1, 1], [1, 0, 0, 0]]
+    assert b["old"][0, 1:].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert b["old"][1, 0].item() == pytest.approx(-0.5)
