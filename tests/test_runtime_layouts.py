@@ -158,3 +158,37 @@ def test_local_mode_runs_in_process(mode):
         twinkle.shutdown()
     plain = Stage()  # no remote_group: always in-process, even without initialize
     assert plain.forward([3]) == [(3, 0)]
+
+
+NPU = textwrap.dedent(
+    """
+    import json, os
+    import ray
+    import twinkle_ray as twinkle
+    from twinkle_ray import DeviceGroup, remote_class, remote_function
+
+    @remote_class(distributed=False)
+    class N:
+        @remote_function(dispatch="all", collect="none")
+        def env(self):
+            return [os.environ.get("ASCEND_RT_VISIBLE_DEVICES"), os.environ.get("CUDA_VISIBLE_DEVICES")]
+
+    ray.init(num_cpus=4, resources={"NPU": 4}, include_dashboard=False)
+    twinkle.initialize(groups=[DeviceGroup("npu", 4, "NPU")])
+    print("RESULT " + json.dumps(N(remote_group="npu").env()()))
+    twinkle.shutdown()
+    ray.shutdown()
+    """
+)
+
+
+def test_npu_group_pins_through_rays_accelerator_variable():
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-c", NPU], capture_output=True, text=True,
+                          timeout=180, env=env, cwd=REPO)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(line[len("RESULT "):])
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"]  # one NPU each, in rank order
+    assert {r[1] for r in rows} == {None}  # no GPU variable for an NPU group
