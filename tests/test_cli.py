@@ -47,9 +47,10 @@ def test_help_reads_well():
     assert out.returncode == 0
     for words in ("topology", "demo", "bench", "ray job submit", "serve run", "examples:"):
         assert words in out.stdout
-    for sub in ("topology", "demo", "bench"):
-        sub_help = run_cli(sub, "--help")
-        assert sub_help.returncode == 0 and f"usage: twinkle-ray {sub}" in sub_help.stdout
+    topo = run_cli("topology", "--help")
+    assert topo.returncode == 0 and "usage: twinkle-ray topology" in topo.stdout
+    demo = run_cli("demo", "--help")  # the quick start's own options
+    assert demo.returncode == 0 and "--steps" in demo.stdout
     assert run_cli("--version").stdout.startswith("twinkle-ray ")
 
 
