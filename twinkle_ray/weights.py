@@ -691,6 +691,8 @@ def sync_weights(
     >>> # stats = sync_weights(trainer, sampler, only_changed=True)
     """
     samplers = list(sampler) if isinstance(sampler, list | tuple) else [sampler]
+    for stale in [k for k, ws in _channels.items() if getattr(ws.source, "_closed", None)]:
+        del _channels[stale]  # gangs closed by shutdown(): forget their channels
     key = (id(trainer), *(id(s) for s in samplers))  # the cache holds them: ids stay unique
     ws = _channels.get(key)
     if ws is None or (ws.timeout_s, ws.bucket_mb, ws.backend) != (timeout_s, bucket_mb, backend):
