@@ -190,7 +190,7 @@ def _free_port() -> int:
 
 
 def post(url: str, body: dict, timeout: float = 30.0) -> tuple[int, dict]:
-    """POST JSON, return (status, JSON body) — also for error statuses."""
+    """POST JSON, return (status, JSON body) — also for error statuses; status 0: no answer."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     try:
@@ -202,6 +202,8 @@ def post(url: str, body: dict, timeout: float = 30.0) -> tuple[int, dict]:
             return e.code, json.loads(text)
         except ValueError:
             return e.code, {"error": text.decode(errors="replace")}
+    except (urllib.error.URLError, OSError) as e:  # no answer at all (not up yet, or gone)
+        return 0, {"error": str(e)}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
