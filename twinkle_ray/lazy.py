@@ -156,6 +156,15 @@ def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: f
     return ray.get(refs)
 
 
+def _read_quietly(refs: list) -> None:
+    """Read refs whose errors were already raised, so Ray does not log them as unhandled."""
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=ERROR_GRACE_S)
+        except Exception:  # expected: these hold the same error
+            pass
+
+
 def _user_error(e: RayTaskError, gang: GangRef, method: str, rank: int | None) -> BaseException:
     cause = getattr(e, "cause", None)
     if isinstance(cause, WorkerDiedError | CallTimeoutError):
@@ -227,7 +236,11 @@ class LazyResult:
         if not self._has_value:
             out = self.plan()
             t = timeout if timeout is not None else self.timeout
-            values = fetch(out.refs, out.workers, self.gang, self.method, t)
+            try:
+                values = fetch(out.refs, out.workers, self.gang, self.method, t)
+            except Exception:
+                _read_quietly(out.metas)  # their copy of the error is handled too: no log noise
+                raise
             self._value = collect_results(
                 self.collect,
                 values,
