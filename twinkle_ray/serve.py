@@ -66,7 +66,7 @@ def replica_bundles(
     """The placement-group bundles of one replica: the replica's own, then one per worker.
 
     >>> replica_bundles(DeviceGroup("s", 2, "cpu"))
-    [{'CPU': 1.0}, {'CPU': 1}, {'CPU': 1}]
+    [{'CPU': 1.0}, {'CPU': 1.0}, {'CPU': 1.0}]
     """
     own = dict(DEFAULT_REPLICA_RESOURCES if replica_resources is None else replica_resources)
     if not own or any(v <= 0 for v in own.values()):
@@ -90,7 +90,7 @@ def deployment_options(
 
     >>> opts = deployment_options(DeviceGroup("s", 2, "cpu"), num_replicas=2)
     >>> opts["placement_group_bundles"], opts["ray_actor_options"], opts["num_replicas"]
-    ([{'CPU': 1.0}, {'CPU': 1}, {'CPU': 1}], {'num_cpus': 1.0}, 2)
+    ([{'CPU': 1.0}, {'CPU': 1.0}, {'CPU': 1.0}], {'num_cpus': 1.0}, 2)
     """
     if group.colocate_with:
         raise ValueError(f"group '{group.name}': a Serve replica's gang cannot colocate_with")
