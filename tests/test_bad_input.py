@@ -12,6 +12,7 @@ import ray
 from conftest import leftovers
 from twinkle_ray import (
     DeviceGroup,
+    DeviceMesh,
     PlacementError,
     initialize,
     remote_class,
@@ -57,6 +58,9 @@ def test_bad_input_on_a_live_gang(runtime):
     runtime.initialize(groups=[DeviceGroup("g", 2, "cpu")])
     with pytest.raises(ValueError, match=r"unknown remote_group 'gg'; declared groups: 'g'"):
         Echo(remote_group="gg")
+    with pytest.raises(ValueError, match=r"Echo on group 'g': its DeviceMesh has world size 4 but "
+                                         r"the group has 2 worker\(s\)"):
+        Echo(device_mesh=DeviceMesh.from_sizes(dp_size=4), remote_group="g")
     e = Echo(remote_group="g")
     with pytest.raises(ValueError, match=r"pair\(\) on group 'g'.*lengths|pair\(\) on group 'g'.*3.*4"):
         e.pair([1, 2, 3], [1, 2, 3, 4])

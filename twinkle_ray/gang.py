@@ -293,7 +293,8 @@ def create_gang(
     elif mesh is not None and mesh.world_size != (group.num_devices or group.num_workers):
         raise ValueError(
             f"{cls.__name__} on group '{group.name}': its DeviceMesh has world size "
-            f"{mesh.world_size} but the group has {group.num_devices} device(s)"
+            f"{mesh.world_size} but the group has {group.num_devices or group.num_workers} "
+            f"{'device' if group.num_devices else 'worker'}(s)"
         )
     label = runtime.new_label(group.name, cls.__name__)
     owns = runtime.claim(group.name, [s.bundle_index for s in slots])

@@ -106,9 +106,16 @@ class Collected:
 
 
 def resolve_routed(value: Any) -> Any:
-    """Materialise a routed marker (in the worker that consumes it); other values pass through."""
+    """Materialise what the proxy or dispatcher put in place of an argument, in the worker.
+
+    Routed markers are fetched from the producers; an ObjectRef (a large value
+    the proxy ``ray.put``, when Ray did not resolve it as a top-level argument)
+    is fetched; other values pass through.
+    """
     if isinstance(value, (Pieces, Collected)):
         return value.materialize()
+    if isinstance(value, ray.ObjectRef):
+        return ray.get(value)
     if isinstance(value, LazyResult):  # a LazyResult passed whole (e.g. in local use)
         return value.get()
     return value

@@ -105,9 +105,9 @@ class GangWorker:
         if seed is not None:
             _seed_everything(seed)
         # Constructor arguments travel nested in a tuple, so Ray does not resolve the
-        # ObjectRefs that put_large made of large ones: fetch them here.
-        args = tuple(_resolve_init_arg(a) for a in args)
-        kwargs = {k: _resolve_init_arg(v) for k, v in kwargs.items()}
+        # ObjectRefs that put_large made of large ones: resolve_routed fetches them.
+        args = tuple(resolve_routed(a) for a in args)
+        kwargs = {k: resolve_routed(v) for k, v in kwargs.items()}
         self.instance = cls(*args, **kwargs)
         return backend
 
@@ -176,12 +176,6 @@ def _meta(result: Any) -> int | None:
         return batch_len(result)
     except (TypeError, ValueError):  # e.g. a dict whose values differ in length
         return None
-
-
-def _resolve_init_arg(value: Any) -> Any:
-    if isinstance(value, ray.ObjectRef):
-        return ray.get(value)
-    return resolve_routed(value)
 
 
 def _url_host(addr: str) -> str:
