@@ -285,7 +285,8 @@ def test_mesh_is_copied_and_accepts_lists():
 
 def test_importing_mesh_pulls_in_neither_torch_nor_ray():
     code = (
-        "import sys, twinkle_ray.mesh, twinkle_ray.mesh_factory, twinkle_ray.context; "
+        "import sys, twinkle_ray.mesh, twinkle_ray.mesh_factory, twinkle_ray.context, "
+        "twinkle_ray.dispatch, twinkle_ray.routing, twinkle_ray.group, twinkle_ray.sampler; "
         "bad = [m for m in ('torch', 'ray') if m in sys.modules]; "
         "assert not bad, bad"
     )

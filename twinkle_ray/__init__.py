@@ -26,12 +26,21 @@ Example::
 from .context import get_rank, get_world_size
 from .errors import CallTimeoutError, PlacementError, WorkerDiedError
 from .group import DeviceGroup
-from .lazy import LazyResult
 from .mesh import DeviceMesh
 from .remote import remote_class, remote_function
 from .runtime import get, get_device_placement, initialize, shutdown
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LazyResult needs Ray; importing it lazily keeps ``import twinkle_ray.mesh`` (and the
+    # other pure modules) free of Ray for code that only wants the mesh maths.
+    if name == "LazyResult":
+        from .lazy import LazyResult
+
+        return LazyResult
+    raise AttributeError(f"module 'twinkle_ray' has no attribute {name!r}")
 
 __all__ = [
     "CallTimeoutError",
