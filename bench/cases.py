@@ -1,0 +1,352 @@
+"""The benchmarks B1-B6: the same work through twinkle_ray and through raw Ray.
+
+Each ``bench_*`` function sets up both sides (a twinkle_ray gang and a
+:class:`bench.raw.RawGang` of the same size and bundles), times them
+alternately with :func:`bench.timing.compare`, tears both down and returns a
+result dict (seconds, ratio, and the figures the table shows).
+
+Example::
+
+    cfg = Config.quick()
+    rows = bench_gang4(cfg)     # [{'name': 'B1 ...', 'twinkle_s': ..., 'raw_s': ..., 'ratio': ...}, ...]
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+
+import twinkle_ray as twinkle
+from bench import payload, whatif
+from bench.raw import RawGang, make_pg
+from bench.timing import compare
+from twinkle_ray import DeviceGroup, DeviceMesh, remote_class, remote_function
+
+NAMESPACE = "twinkle-bench"
+
+
+@dataclass
+class Config:
+    """Sizes and repeat counts of one run."""
+
+    repeats: int = 60  # timed repetitions of each fast benchmark (B1, B6), per side
+    chain: int = 200  # B2: chained calls
+    chain_repeats: int = 9
+    b3_mb: int = 64  # B3: batch size
+    b3_repeats: int = 21
+    b4_mb: int = 256  # B4: total payload
+    b4_repeats: int = 11
+    b5_repeats: int = 7  # B5: gang start-ups per side
+    b5_warmup: int = 1
+    b6_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    warmup: int = 3
+
+    @classmethod
+    def quick(cls) -> Config:
+        """Scaled down to finish in about two minutes on 2 cores."""
+        return cls(repeats=12, chain=200, chain_repeats=2, b3_mb=16, b3_repeats=5, b4_mb=32,
+                   b4_repeats=3, b5_repeats=1, b5_warmup=0, warmup=2)
+
+
+# ---------------------------------------------------------------------------- the gang's class
+@remote_class(distributed=False)
+class BenchWorker:
+    """The twinkle_ray side of B1-B4 and B6 (RawWorker has the same methods)."""
+
+    def __init__(self, device_mesh=None):
+        self.cached: dict = {}
+
+    @remote_function(dispatch="all", collect="none")
+    def noop(self) -> None:
+        """Nothing: the cost of a call (lazy: returns a LazyResult)."""
+        return None
+
+    @remote_function(dispatch="all", collect="none", sync=True)
+    def noop_eager(self) -> None:
+        """Nothing, returned as a value (``sync=True``)."""
+        return None
+
+    @remote_function(dispatch="slice_dp", collect="flatten")
+    def step(self, xs: list) -> list:
+        """One link of the B2 chain: this worker's slice, passed on."""
+        return xs
+
+    @remote_function(dispatch="slice_dp", collect="none")
+    def consume(self, batch: np.ndarray) -> int:
+        """B3: touch the slice, return its length."""
+        return int(batch.shape[0])
+
+    @remote_function(dispatch="all", collect="flatten")
+    def produce(self, rows: int, cols: int, trace_dir: str) -> dict:
+        """B4 producer: a traced batch of ``rows`` rows per worker."""
+        key = (rows, cols)
+        if key not in self.cached:
+            self.cached[key] = payload.make_batch(rows, cols, trace_dir)["x"]
+        x = self.cached[key]
+        return {"x": x, "tag": payload.Tracer(trace_dir, x.nbytes)}
+
+    @remote_function(dispatch="slice_dp", collect="none")
+    def join(self, batch: dict) -> float:
+        """B4 consumer: its dp slice arrives whole and contiguous; return a checksum."""
+        x = batch["x"]
+        return float(x[0, 0] + x[-1, -1]) + x.shape[0]
+
+
+@remote_class()
+class DistMember:
+    """B5: a gang member with torch.distributed (gloo) up; nothing else."""
+
+    def __init__(self, device_mesh=None):
+        self.mesh = device_mesh
+
+
+# ---------------------------------------------------------------------------- helpers
+def _init(*groups: DeviceGroup) -> None:
+    twinkle.initialize("ray", groups=list(groups), namespace=NAMESPACE)
+
+
+def _gang(n: int, name: str):
+    _init(DeviceGroup(name, n, "cpu"))
+    return BenchWorker(device_mesh=DeviceMesh.from_sizes(dp_size=n), remote_group=name)
+
+
+def _row(name: str, r: dict, **extra) -> dict:
+    return {"name": name, **{k: v for k, v in r.items() if not k.endswith("_samples")}, **extra}
+
+
+def _gcs() -> str:
+    """This bench's own cluster (other Ray clusters may run on the machine)."""
+    return ray.get_runtime_context().gcs_address
+
+
+def _dispatcher_pid(proxy) -> int | None:
+    from ray.util.state import list_actors
+
+    label = proxy.topology()["label"]
+    rows = list_actors(address=_gcs(), filters=[("name", "=", label), ("state", "=", "ALIVE")])
+    return rows[0]["pid"] if rows else None
+
+
+# ---------------------------------------------------------------------------- B1, B2, B3
+def bench_gang4(cfg: Config, only: frozenset = frozenset({"B1", "B2", "B3"})) -> list[dict]:
+    """B1 (eager and lazy no-op), B2 (chained lazy calls), B3 (a numpy batch, slice_dp) on 4 workers."""
+    n = 4
+    gang = _gang(n, "b1")
+    raw = RawGang(n)
+    raw.start()
+    rows = []
+    try:
+        actors = raw.actors
+        if "B1" in only:
+            r = compare(lambda: gang.noop_eager(), lambda: ray.get([a.noop.remote() for a in actors]),
+                        repeats=cfg.repeats, warmup=cfg.warmup)
+            rows.append(_row("B1 no-op call, 4 workers, eager (value back)", r, unit="ms",
+                             target="<= 1.2x"))
+            r = compare(lambda: gang.noop().get(), lambda: ray.get([a.noop.remote() for a in actors]),
+                        repeats=cfg.repeats, warmup=cfg.warmup)
+            rows.append(_row("B1 no-op call, 4 workers, lazy (LazyResult, then get)", r, unit="ms",
+                             target="<= 1.2x"))
+            rows += _b1_whatif(cfg, gang, actors)
+
+        start = [[i] for i in range(n)]
+
+        def chain_twinkle():
+            x = gang.step([i for xs in start for i in xs])
+            for _ in range(cfg.chain - 1):
+                x = gang.step(x)
+            assert x.get() == list(range(n))
+
+        def chain_raw():
+            refs = [a.step.remote(xs) for a, xs in zip(actors, start, strict=True)]
+            for _ in range(cfg.chain - 1):
+                refs = [a.step.remote(ref) for a, ref in zip(actors, refs, strict=True)]
+            assert [i for xs in ray.get(refs) for i in xs] == list(range(n))
+
+        if "B2" in only:
+            r = compare(chain_twinkle, chain_raw, repeats=cfg.chain_repeats, warmup=1)
+            r["twinkle_calls_per_s"] = cfg.chain / r["twinkle_s"]
+            r["raw_calls_per_s"] = cfg.chain / r["raw_s"]
+            r["throughput_ratio"] = r["twinkle_calls_per_s"] / r["raw_calls_per_s"]
+            rows.append(_row(f"B2 {cfg.chain} chained lazy calls, 4 workers", r, unit="s",
+                             target="throughput >= 0.9x"))
+            workers = whatif.gang_workers(gang, NAMESPACE)
+
+            def chain_direct():
+                assert whatif.direct_chain(workers, start, cfg.chain) == list(range(n))
+
+            r = compare(chain_direct, chain_raw, repeats=cfg.chain_repeats, warmup=1)
+            r["throughput_ratio"] = r["raw_s"] / r["twinkle_s"]
+            rows.append(_row("B2 what-if: the gang's workers called from the driver", r, unit="s",
+                             whatif=True))
+
+        batch = np.ones((cfg.b3_mb * 1024 * 1024 // (256 * 4), 256), dtype=np.float32)
+        bounds = [(i * len(batch) // n, (i + 1) * len(batch) // n) for i in range(n)]
+        expected = [hi - lo for lo, hi in bounds]
+
+        def b3_twinkle():
+            assert gang.consume(batch).get() == expected
+
+        def b3_raw():
+            refs = [ray.put(batch[lo:hi]) for lo, hi in bounds]
+            assert ray.get([a.consume.remote(ref) for a, ref in zip(actors, refs, strict=True)]) == expected
+
+        if "B3" in only:
+            r = compare(b3_twinkle, b3_raw, repeats=cfg.b3_repeats, warmup=cfg.warmup)
+            rows.append(_row(f"B3 {cfg.b3_mb} MB numpy batch, slice_dp to 4 workers", r, unit="ms",
+                             target="<= 1.1x"))
+    finally:
+        raw.close()
+        twinkle.shutdown()
+    return rows
+
+
+def _b1_whatif(cfg: Config, gang, actors: list) -> list[dict]:
+    """B1's design-space rows: a minimal hop (values / refs back) and direct worker calls."""
+    hop = whatif.Hop.options(max_concurrency=1000).remote(actors)
+    workers = whatif.gang_workers(gang, NAMESPACE)
+    raw = lambda: ray.get([a.noop.remote() for a in actors])  # noqa: E731
+    rows = []
+    try:
+        for name, fn in (
+            ("B1 what-if: raw + one forwarding actor, values back", lambda: ray.get(hop.values.remote())),
+            ("B1 what-if: raw + one forwarding actor, refs back", lambda: ray.get(ray.get(hop.refs.remote()))),
+            ("B1 what-if: the gang's workers called from the driver", lambda: whatif.direct_noop(workers)),
+        ):
+            rows.append(_row(name, compare(fn, raw, repeats=cfg.repeats, warmup=cfg.warmup), unit="ms",
+                             whatif=True))
+    finally:
+        ray.kill(hop)
+    return rows
+
+
+# ---------------------------------------------------------------------------- B4
+def bench_routing(cfg: Config) -> dict:
+    """B4: a dp=4 group's output -> a dp=2 group via LazyResult; counts payload bytes per process."""
+    trace_dir = tempfile.mkdtemp(prefix="twinkle-bench-trace-")
+    cols = 256
+    rows_per_producer = cfg.b4_mb * 1024 * 1024 // 4 // (cols * 4)
+    _init(DeviceGroup("b4_producer", 4, "cpu"), DeviceGroup("b4_consumer", 2, "cpu"))
+    producer = BenchWorker(device_mesh=DeviceMesh.from_sizes(dp_size=4), remote_group="b4_producer")
+    consumer = BenchWorker(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="b4_consumer")
+    raw_p, raw_c = RawGang(4), RawGang(2)
+    raw_p.start()
+    raw_c.start()
+    half = 2 * rows_per_producer
+    expected = [float(2 + half)] * 2
+    try:
+        def b4_twinkle():
+            out = producer.produce(rows_per_producer, cols, trace_dir)
+            assert consumer.join(out).get() == expected
+
+        def b4_raw():
+            refs = [a.produce.remote(rows_per_producer, cols, trace_dir) for a in raw_p.actors]
+            got = ray.get([raw_c.actors[0].join.remote(refs[0], refs[1]),
+                           raw_c.actors[1].join.remote(refs[2], refs[3])])
+            assert got == expected
+
+        payload.clear(trace_dir)
+        counts = {}
+        for side, fn in (("twinkle", b4_twinkle), ("raw", b4_raw)):
+            fn()  # one traced run per side, on its own: whose process unpickled the payload?
+            counts[side] = payload.bytes_by_pid(trace_dir)
+            payload.clear(trace_dir)
+        driver = os.getpid()
+        # Self-check of the tracer: a deliberate fetch in the driver must be seen.
+        ray.get(raw_p.actors[0].produce.remote(rows_per_producer, cols, trace_dir))
+        self_check = payload.bytes_by_pid(trace_dir).get(driver, 0)
+        payload.clear(trace_dir)
+        dispatchers = {_dispatcher_pid(producer), _dispatcher_pid(consumer)} - {None}
+        tw, rw = counts["twinkle"], counts["raw"]
+        traffic = {
+            "payload_bytes_total": cfg.b4_mb * 1024 * 1024,
+            "twinkle_bytes_via_driver": tw.get(driver, 0),
+            "twinkle_bytes_via_dispatcher": sum(tw.get(p, 0) for p in dispatchers),
+            "twinkle_bytes_to_consumers": sum(v for p, v in tw.items() if p != driver and p not in dispatchers),
+            "raw_bytes_via_driver": rw.get(driver, 0),
+            "raw_bytes_to_consumers": sum(v for p, v in rw.items() if p != driver),
+            "dispatcher_pids": sorted(dispatchers),
+            "tracer_self_check_bytes": self_check,  # one producer output fetched by the driver on purpose
+        }
+        r = compare(b4_twinkle, b4_raw, repeats=cfg.b4_repeats, warmup=1)
+    finally:
+        raw_p.close()
+        raw_c.close()
+        twinkle.shutdown()
+        payload.clear(trace_dir)
+        os.rmdir(trace_dir)
+    return _row(f"B4 dp=4 -> dp=2 via LazyResult, {cfg.b4_mb} MB", r, unit="ms", target="<= 1.1x",
+                **traffic)
+
+
+# ---------------------------------------------------------------------------- B5
+def bench_startup(cfg: Config) -> dict:
+    """B5: a 4-worker gang with torch.distributed (gloo) up, from constructor call to ready."""
+    n = 4
+    holder: dict = {}
+    group = DeviceGroup("b5", n, "cpu")
+
+    def tw_before():
+        _init(group)
+
+    def tw_start():
+        holder["gang"] = DistMember(device_mesh=DeviceMesh.from_sizes(dp_size=n), remote_group="b5")
+
+    def tw_after():
+        twinkle.shutdown()  # closes the gang: its workers and dispatcher are killed, PG removed
+        _wait_gone()
+
+    def raw_before():
+        holder["raw"] = RawGang(n, pg=make_pg(n, 1.0))
+        holder["raw"].own_pg = True
+
+    def raw_start():
+        holder["raw"].start(distributed=True)
+
+    def raw_after():
+        holder["raw"].close()
+
+    r = compare(tw_start, raw_start, repeats=cfg.b5_repeats, warmup=cfg.b5_warmup,
+                before=(tw_before, raw_before), after=(tw_after, raw_after))
+    return _row("B5 gang start-up, 4 workers, torch.distributed gloo", r, unit="s", target="<= 1.2x")
+
+
+def _wait_gone(timeout_s: float = 30.0) -> None:
+    """Wait until no actor of the bench namespace is alive (kills land asynchronously)."""
+    import time
+
+    from ray.util.state import list_actors
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [a for a in list_actors(address=_gcs(), filters=[("state", "!=", "DEAD")], limit=10_000)
+                 if a.get("ray_namespace") == NAMESPACE]
+        if not alive:
+            return
+        time.sleep(0.1)
+
+
+# ---------------------------------------------------------------------------- B6
+def bench_scaling(cfg: Config) -> list[dict]:
+    """B6: no-op call + collect (lazy, then get) on gangs of 1..16 workers."""
+    rows = []
+    for n in cfg.b6_sizes:
+        gang = _gang(n, f"b6_{n}")
+        raw = RawGang(n)
+        raw.start()
+        try:
+            actors = raw.actors
+            r = compare(lambda g=gang: g.noop().get(),
+                        lambda a=actors: ray.get([w.noop.remote() for w in a]),
+                        repeats=cfg.repeats, warmup=cfg.warmup)
+        finally:
+            raw.close()
+            twinkle.shutdown()
+        rows.append(_row(f"B6 no-op call + collect, {n} worker(s)", r, unit="ms", workers=n))
+    return rows
+
+
+__all__ = ["Config", "bench_gang4", "bench_routing", "bench_startup", "bench_scaling"]

@@ -1,0 +1,166 @@
+"""Run every benchmark, twinkle_ray vs raw Ray, in one Ray session; print a table (or JSON).
+
+Usage::
+
+    python -m bench             # full sizes (BENCHMARKS.md)
+    python -m bench --quick     # scaled down: about two minutes on 2 cores
+    python -m bench --json      # JSON on stdout, one line (the table goes to stderr)
+    python -m bench --only B1,B4
+
+It starts its own local Ray (loopback only) and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ALL = ("B1", "B2", "B3", "B4", "B5", "B6")
+RAY_CPUS = 48  # virtual CPUs: room for a 16-worker gang and its raw twin side by side
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    p.add_argument("--json", action="store_true", help="print JSON on stdout, the table on stderr")
+    p.add_argument("--only", default=",".join(ALL), help="comma list of B1..B6 (B1-B3 run together)")
+    p.add_argument("--repeats", type=int, default=None, help="override the repeat count of B1/B6")
+    return p.parse_args(argv)
+
+
+def _start_ray() -> None:
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Workers import the bench's classes by name: put the repo root on their path.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    )
+    import ray
+
+    ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=True, dashboard_host="127.0.0.1",
+             namespace="twinkle-bench", log_to_driver=False, logging_level="WARNING")
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Run the selected benchmarks; return the report dict (what ``--json`` prints)."""
+    args = _parse(argv)
+    only = {s.strip().upper() for s in args.only.split(",") if s.strip()}
+    unknown = only - set(ALL)
+    if unknown:
+        raise SystemExit(f"unknown benchmark(s) {sorted(unknown)}; choose from {', '.join(ALL)}")
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    _start_ray()
+    import ray
+
+    from bench import cases
+
+    cfg = cases.Config.quick() if args.quick else cases.Config()
+    if args.repeats:
+        cfg.repeats = args.repeats
+    t0 = time.perf_counter()
+    results: list[dict] = []
+    try:
+        if only & {"B1", "B2", "B3"}:
+            results += cases.bench_gang4(cfg, frozenset(only))
+        if "B4" in only:
+            results.append(cases.bench_routing(cfg))
+        if "B5" in only:
+            results.append(cases.bench_startup(cfg))
+        if "B6" in only:
+            results += cases.bench_scaling(cfg)
+    finally:
+        ray.shutdown()
+    return {
+        "mode": "quick" if args.quick else "full",
+        "command": "python -m bench" + " ".join(["", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "ray": ray.__version__,
+            "platform": platform.platform(),
+        },
+        "config": {k: v for k, v in vars(cfg).items()},
+        "wall_s": time.perf_counter() - t0,
+        "results": results,
+    }
+
+
+def _fmt_time(seconds: float, unit: str) -> str:
+    return f"{seconds * 1000:9.2f} ms" if unit == "ms" else f"{seconds:9.3f} s "
+
+
+def _check(row: dict) -> str:
+    target = row.get("target")
+    if not target:
+        return ""
+    if "throughput" in target:
+        ok = row["throughput_ratio"] >= 0.9
+    else:
+        ok = row["ratio"] <= float(target.split("<=")[1].strip().rstrip("x"))
+    return ("ok  " if ok else "MISS") + f" ({target})"
+
+
+def table(report: dict) -> str:
+    """The report as a plain-text table."""
+    lines = [f"twinkle_ray vs raw Ray -- {report['mode']} run, {report['machine']['cpus']} CPU(s), "
+             f"Ray {report['machine']['ray']}, {report['wall_s']:.0f} s",
+             "medians of alternating runs; ratio = twinkle_ray / raw (lower is better)", ""]
+    head = f"{'benchmark':<58} {'twinkle_ray':>12} {'raw Ray':>12} {'ratio':>7}  target"
+    lines += [head, "-" * len(head)]
+    scaling = [r for r in report["results"] if r.get("workers")]
+    whatifs = [r for r in report["results"] if r.get("whatif")]
+    for row in report["results"]:
+        if row in scaling or row in whatifs:
+            continue
+        unit = row.get("unit", "ms")
+        lines.append(f"{row['name']:<58} {_fmt_time(row['twinkle_s'], unit):>12} "
+                     f"{_fmt_time(row['raw_s'], unit):>12} {row['ratio']:6.2f}x  {_check(row)}")
+        if "throughput_ratio" in row:
+            lines.append(f"{'   throughput, calls/s':<58} {row['twinkle_calls_per_s']:12.0f} "
+                         f"{row['raw_calls_per_s']:12.0f} {row['throughput_ratio']:6.2f}x")
+        if "twinkle_bytes_via_driver" in row:
+            mb = 1024 * 1024
+            lines.append(f"   payload bytes: via driver {row['twinkle_bytes_via_driver']}, via dispatcher "
+                         f"{row['twinkle_bytes_via_dispatcher']}, to consumer workers "
+                         f"{row['twinkle_bytes_to_consumers'] / mb:.0f} MB "
+                         f"(raw: driver {row['raw_bytes_via_driver']}, consumers "
+                         f"{row['raw_bytes_to_consumers'] / mb:.0f} MB)")
+            lines.append(f"   tracer self-check: one output fetched by the driver on purpose was seen as "
+                         f"{row['tracer_self_check_bytes'] / mb:.0f} MB via the driver")
+    if whatifs:
+        lines += ["", "What-if rows (not twinkle_ray features; bounds of the design space, same run):"]
+        for row in whatifs:
+            unit = row.get("unit", "ms")
+            extra = (f"  throughput {row['throughput_ratio']:.2f}x" if "throughput_ratio" in row else "")
+            lines.append(f"{row['name']:<58} {_fmt_time(row['twinkle_s'], unit):>12} "
+                         f"{_fmt_time(row['raw_s'], unit):>12} {row['ratio']:6.2f}x{extra}")
+    if scaling:
+        lines += ["", "B6 call overhead vs gang size (no-op call + collect, lazy then get)",
+                  f"{'workers':>8} {'twinkle_ray':>12} {'raw Ray':>12} {'ratio':>7} {'extra':>10}"]
+        for row in scaling:
+            extra = (row["twinkle_s"] - row["raw_s"]) * 1000
+            lines.append(f"{row['workers']:>8} {_fmt_time(row['twinkle_s'], 'ms'):>12} "
+                         f"{_fmt_time(row['raw_s'], 'ms'):>12} {row['ratio']:6.2f}x {extra:7.2f} ms")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point."""
+    report = run(argv)
+    text = table(report)
+    if "--json" in (argv if argv is not None else sys.argv[1:]):
+        print(text, file=sys.stderr)
+        print(json.dumps(report))  # one line: easy to find among anything else on stdout
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Interleaved timing: twinkle_ray and raw Ray take turns, so drift hits both alike.
+
+Example::
+
+    r = compare(lambda: gang.noop().get(), lambda: ray.get([a.noop.remote() for a in raw]),
+                repeats=50, warmup=5)
+    r["twinkle_s"], r["raw_s"], r["ratio"]
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+Step = Callable[[], object]
+
+
+def timed(fn: Step, before: Step | None = None, after: Step | None = None) -> float:
+    """Seconds ``fn()`` took; ``before``/``after`` run untimed around it."""
+    if before is not None:
+        before()
+    t0 = time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t0
+    if after is not None:
+        after()
+    return dt
+
+
+def compare(
+    twinkle: Step,
+    raw: Step,
+    *,
+    repeats: int,
+    warmup: int = 1,
+    before: tuple[Step | None, Step | None] = (None, None),
+    after: tuple[Step | None, Step | None] = (None, None),
+) -> dict:
+    """Median seconds of ``twinkle`` and ``raw``, run alternately ``repeats`` times each.
+
+    The order alternates (T R, R T, ...) so neither side always runs first.
+    Returns ``{'twinkle_s', 'raw_s', 'ratio', 'twinkle_samples', 'raw_samples'}``.
+    """
+    sides = {"twinkle": (twinkle, before[0], after[0]), "raw": (raw, before[1], after[1])}
+    for _ in range(warmup):
+        for fn, b, a in sides.values():
+            timed(fn, b, a)
+    samples: dict[str, list[float]] = {"twinkle": [], "raw": []}
+    for i in range(repeats):
+        order = ("twinkle", "raw") if i % 2 == 0 else ("raw", "twinkle")
+        for side in order:
+            fn, b, a = sides[side]
+            samples[side].append(timed(fn, b, a))
+    t, r = statistics.median(samples["twinkle"]), statistics.median(samples["raw"])
+    return {
+        "twinkle_s": t,
+        "raw_s": r,
+        "ratio": t / r if r > 0 else float("nan"),
+        "twinkle_samples": samples["twinkle"],
+        "raw_samples": samples["raw"],
+    }

@@ -1,0 +1,65 @@
+"""What-if rows: the design space around the dispatcher hop, measured in the same run.
+
+These are not twinkle_ray features; they bound what any design can reach on
+the machine the bench runs on:
+
+- ``Hop`` is the cheapest possible dispatcher: one async actor that fans a
+  call out to the raw actors and either awaits the values and returns them
+  (``values``), or returns the output ObjectRefs at once (``refs``, which is
+  what "refs only" means: the caller then fetches them from the hop, their
+  owner). If even ``values`` is above a target, no design with an extra actor
+  on the call path can meet it.
+- ``direct_*`` call the twinkle_ray gang's own worker actors straight from the
+  driver (the worker's ``run`` with its (payload, length) returns, the pure
+  ``collect``), i.e. a gang whose dispatcher stays the owner/health/restart
+  authority but is off the call path -- the proposal in BENCHMARKS.md.
+
+Example::
+
+    hop = Hop.options(max_concurrency=1000).remote(raw.actors)
+    ray.get(hop.values.remote())
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import ray
+
+from twinkle_ray.dispatch import collect
+
+
+@ray.remote(num_cpus=0)
+class Hop:
+    """A minimal forwarding actor in front of raw actors."""
+
+    def __init__(self, actors: list):
+        self.actors = actors
+
+    async def values(self) -> list:
+        """Fan out a no-op, await the results, return them (one hop, values back)."""
+        return list(await asyncio.gather(*[a.noop.remote() for a in self.actors]))
+
+    async def refs(self) -> list:
+        """Fan out a no-op, return the output refs at once (one hop, refs back)."""
+        return [a.noop.remote() for a in self.actors]
+
+
+def gang_workers(proxy, namespace: str) -> list:
+    """The worker actor handles of a twinkle_ray gang, in rank order (found by name)."""
+    topo = proxy.topology()
+    return [ray.get_actor(f"{topo['label']}/{r['rank']}", namespace=namespace) for r in topo["ranks"]]
+
+
+def direct_noop(workers: list) -> object:
+    """A no-op through the gang's workers, submitted by the driver; collected as twinkle does."""
+    outs = [w.run.options(num_returns=2).remote("noop")[0] for w in workers]
+    return collect("none", ray.get(outs), worker_indices=list(range(len(workers))))
+
+
+def direct_chain(workers: list, start: list, length: int) -> list:
+    """B2 through the gang's workers from the driver: each link takes the previous output ref."""
+    refs = [w.run.options(num_returns=2).remote("step", xs)[0] for w, xs in zip(workers, start, strict=True)]
+    for _ in range(length - 1):
+        refs = [w.run.options(num_returns=2).remote("step", r)[0] for w, r in zip(workers, refs, strict=True)]
+    return collect("flatten", ray.get(refs), worker_indices=list(range(len(workers))))
