@@ -10,9 +10,10 @@ the machine the bench runs on:
   owner). If even ``values`` is above a target, no design with an extra actor
   on the call path can meet it.
 - ``direct_*`` call the twinkle_ray gang's own worker actors straight from the
-  driver (the worker's ``run`` with its (payload, length) returns, the pure
-  ``collect``), i.e. a gang whose dispatcher stays the owner/health/restart
-  authority but is off the call path -- the proposal in BENCHMARKS.md.
+  driver (the worker's ``run``/``run_value`` as the dispatcher would call them,
+  the pure ``collect``), i.e. a gang whose dispatcher stays the
+  owner/health/restart authority but is off the call path -- the proposal in
+  BENCHMARKS.md.
 
 Example::
 
@@ -53,7 +54,7 @@ def gang_workers(proxy, namespace: str) -> list:
 
 def direct_noop(workers: list) -> object:
     """A no-op through the gang's workers, submitted by the driver; collected as twinkle does."""
-    outs = [w.run.options(num_returns=2).remote("noop")[0] for w in workers]
+    outs = [w.run_value.remote("noop") for w in workers]  # collect 'none': no length records
     return collect("none", ray.get(outs), worker_indices=list(range(len(workers))))
 
 

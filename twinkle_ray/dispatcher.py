@@ -276,6 +276,7 @@ class Dispatcher:
         caller: tuple[int, int] | None = None,
         wait_meta: bool = False,
         turn: tuple[str, int] | None = None,
+        collect: str | None = None,
     ) -> CallOutput:
         """Route and submit one call; return the output refs without waiting for them.
 
@@ -287,6 +288,9 @@ class Dispatcher:
         since a producer call is always made before its consumers, waiting
         for routed producers can never form a cycle. ``wait_meta`` waits for
         the outputs' length records (iteration uses it to see StopIteration).
+        ``collect`` names the caller's collect mode (None: unknown); outputs get
+        a length record only when routing them may slice by length (each record
+        is one more ObjectRef the caller borrows: see BENCHMARKS.md, B6).
         """
         if turn is not None:
             await self._wait_turn(*turn)
@@ -306,15 +310,19 @@ class Dispatcher:
                 targets = list(range(n))
             routes: dict[int, list] = {}
             refs, metas = [], []
+            lengths = wait_meta or _needs_lengths(collect, len(targets))
             for i in targets:
                 args, kwargs = per_worker[i] if len(per_worker) > 1 else per_worker[0]
                 if _has_lazy(args, kwargs):
                     args, kwargs = await self._route(method, args, kwargs, i, dispatch, routes)
-                payload, meta = self.workers[i].run.options(num_returns=2).remote(
-                    method, *args, **kwargs
-                )
+                if lengths:
+                    payload, meta = self.workers[i].run.options(num_returns=2).remote(
+                        method, *args, **kwargs
+                    )
+                    metas.append(meta)
+                else:
+                    payload = self.workers[i].run_value.remote(method, *args, **kwargs)
                 refs.append(payload)
-                metas.append(meta)
         finally:
             if turn is not None:
                 await self._end_turn(turn[0])
@@ -324,6 +332,8 @@ class Dispatcher:
         return CallOutput(refs=refs, metas=metas, workers=targets, ended=ended)
 
     async def _wait_turn(self, caller: str, seq: int) -> None:
+        if self._turns.get(caller, 0) >= seq:  # its turn already (the usual case): no wait task
+            return
         async with self._turn_changed:
             try:
                 await asyncio.wait_for(
@@ -389,6 +399,20 @@ class Dispatcher:
             list(out.refs), mode, list(out.workers), lazy.gang.mesh, lazy.gang.gpus_per_worker
         )
         return [whole] * n
+
+
+def _needs_lengths(collect: str | None, n_outputs: int) -> bool:
+    """Whether routing these outputs can slice them by length (see ``_plan_route``).
+
+    'flatten' and 'first' outputs are sliced by their lengths, and so is a
+    single 'none' output; several 'none' outputs route as a list of whole
+    items, and 'mean'/'sum'/'last_pp'/custom collects route whole.
+    """
+    if collect is None:  # unknown: keep the records
+        return True
+    if collect == "none":
+        return n_outputs == 1
+    return collect in ("flatten", "first")
 
 
 def _has_lazy(args: tuple, kwargs: dict) -> bool:

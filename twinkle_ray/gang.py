@@ -198,7 +198,8 @@ class GangProxy:
             with self._turn_lock:  # numbers follow submission order, also across threads
                 turn = (self._caller_id, self._next_turn)
                 plan = g.dispatcher.call.remote(
-                    name, per_worker, spec.dispatch, execute, caller, wait_meta, turn
+                    name, per_worker, spec.dispatch, execute, caller, wait_meta, turn,
+                    spec.collect if isinstance(spec.collect, str) else "custom",
                 )
                 self._next_turn += 1  # only a submitted call takes a turn
         except Exception as e:

@@ -153,6 +153,10 @@ class GangWorker:
             return None, None
         return result, _meta(result)
 
+    def run_value(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``run`` without the length record: for calls whose outputs are never sliced by length."""
+        return self.run(method, *args, **kwargs)[0]
+
     @ray.method(concurrency_group="control")
     def watch(self) -> None:
         """Never returns; its ref fails when this actor dies (the dispatcher's health signal)."""
