@@ -37,9 +37,9 @@ class Config:
     chain: int = 200  # B2: chained calls
     chain_repeats: int = 9
     b3_mb: int = 64  # B3: batch size
-    b3_repeats: int = 21
+    b3_repeats: int = 31
     b4_mb: int = 256  # B4: total payload
-    b4_repeats: int = 11
+    b4_repeats: int = 25
     b5_repeats: int = 7  # B5: gang start-ups per side
     b5_warmup: int = 1
     b6_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
@@ -115,7 +115,7 @@ def _gang(n: int, name: str):
 
 
 def _row(name: str, r: dict, **extra) -> dict:
-    return {"name": name, **{k: v for k, v in r.items() if not k.endswith("_samples")}, **extra}
+    return {"name": name, **r, **extra}
 
 
 def _gcs() -> str:

@@ -40,7 +40,8 @@ def compare(
     """Median seconds of ``twinkle`` and ``raw``, run alternately ``repeats`` times each.
 
     The order alternates (T R, R T, ...) so neither side always runs first.
-    Returns ``{'twinkle_s', 'raw_s', 'ratio', 'twinkle_samples', 'raw_samples'}``.
+    Returns ``{'twinkle_s', 'raw_s', 'ratio', 'paired_ratio', 'twinkle_samples',
+    'raw_samples'}``; ``ratio`` is the ratio of the medians.
     """
     sides = {"twinkle": (twinkle, before[0], after[0]), "raw": (raw, before[1], after[1])}
     for _ in range(warmup):
@@ -53,10 +54,13 @@ def compare(
             fn, b, a = sides[side]
             samples[side].append(timed(fn, b, a))
     t, r = statistics.median(samples["twinkle"]), statistics.median(samples["raw"])
+    pairs = [a / b for a, b in zip(samples["twinkle"], samples["raw"], strict=True) if b > 0]
     return {
         "twinkle_s": t,
         "raw_s": r,
         "ratio": t / r if r > 0 else float("nan"),
+        # robust to drift: the median of the ratios of neighbouring (twinkle, raw) runs
+        "paired_ratio": statistics.median(pairs) if pairs else float("nan"),
         "twinkle_samples": samples["twinkle"],
         "raw_samples": samples["raw"],
     }
