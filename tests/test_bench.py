@@ -43,13 +43,13 @@ def _rows(report: dict, prefix: str) -> list[dict]:
 @pytest.mark.timeout(660)
 def test_quick_bench_reports_every_benchmark(report):
     assert report["mode"] == "quick"
-    for prefix, count in (("B1", 2), ("B2", 1), ("B3", 1), ("B4", 1), ("B5", 1), ("B6", 5)):
+    for prefix, count in (("B1", 2), ("B2", 1), ("B3", 1), ("B4", 1), ("B5", 1), ("B6", 4)):
         rows = _rows(report, prefix)
         assert len(rows) == count, (prefix, [r["name"] for r in rows])
         for r in rows:
             for key in ("twinkle_s", "raw_s", "ratio"):
                 assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, (r["name"], key)
-    assert [r["workers"] for r in _rows(report, "B6")] == [1, 2, 4, 8, 16]
+    assert [r["workers"] for r in _rows(report, "B6")] == [1, 2, 4, 8]  # 16 in the full run
     b2 = _rows(report, "B2")[0]
     assert b2["twinkle_calls_per_s"] > 0 and b2["raw_calls_per_s"] > 0
 
