@@ -108,14 +108,19 @@ MULTINODE = textwrap.dedent(
 )
 
 
-def test_multinode_gang_spans_two_nodes():
+def run_script(code: str, timeout: float = 240) -> tuple[list, str]:
+    """Run ``code`` as its own Ray driver (loopback); return its RESULT rows and its stdout."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-c", MULTINODE], capture_output=True, text=True,
-                          timeout=240, env=env, cwd=REPO)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT "):]), proc.stdout
+
+
+def test_multinode_gang_spans_two_nodes():
+    rows, stdout = run_script(MULTINODE)
     assert [r["RANK"] for r in rows] == ["0", "1", "2", "3"]
     assert [r["NODE_RANK"] for r in rows] == ["0", "0", "1", "1"]
     assert [r["LOCAL_RANK"] for r in rows] == ["0", "1", "0", "1"]
@@ -125,7 +130,7 @@ def test_multinode_gang_spans_two_nodes():
     # (node, device) order: devices ascend within each node
     assert [r["CUDA_VISIBLE_DEVICES"] for r in rows] == ["0", "1", "0", "1"]
     assert {r["sum"] for r in rows} == {4.0}  # gloo all-reduce across both nodes
-    placement = next((x for x in proc.stdout.splitlines() if x.startswith("PLACEMENT ")), "")
+    placement = next((x for x in stdout.splitlines() if x.startswith("PLACEMENT ")), "")
     assert "group 'packed' (STRICT_PACK): needs {CPU: 4, GPU: 4} on one node" in placement
     assert "largest node has {CPU: 2, GPU: 2}" in placement
 
@@ -183,12 +188,6 @@ NPU = textwrap.dedent(
 
 
 def test_npu_group_pins_through_rays_accelerator_variable():
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-c", NPU], capture_output=True, text=True,
-                          timeout=180, env=env, cwd=REPO)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(line[len("RESULT "):])
+    rows, _ = run_script(NPU, timeout=180)
     assert [r[0] for r in rows] == ["0", "1", "2", "3"]  # one NPU each, in rank order
     assert {r[1] for r in rows} == {None}  # no GPU variable for an NPU group
