@@ -95,10 +95,11 @@ class DeviceMesh:
     Args:
         mesh: array of distinct non-negative global ranks, one axis per dimension.
         mesh_dim_names: one name per axis, from :data:`KNOWN_DIMS`.
-        ep_size, etp_size, vpp_size, ulysses_size: expert / expert-tensor /
-            virtual-pipeline / Ulysses sequence-parallel sizes. They are
-            attributes, not mesh dimensions. ``ulysses_size`` groups that many
-            consecutive data ranks into one data rank.
+        ep_size: expert-parallel size (an attribute, not a mesh dimension).
+        etp_size: expert-tensor-parallel size (an attribute, not a mesh dimension).
+        vpp_size: virtual-pipeline size (an attribute, not a mesh dimension).
+        ulysses_size: Ulysses sequence-parallel size (an attribute, not a mesh
+            dimension); groups that many consecutive data ranks into one data rank.
         sequence_parallel: Megatron sequence parallelism on or off.
         device_type: ``'cuda'`` (``'gpu'`` is accepted), ``'cpu'``, ``'npu'``, ...
         flattened: extra names for groups that span several root dimensions,
