@@ -87,6 +87,27 @@ def test_group_the_cluster_can_never_hold(runtime):
     assert not ray.util.placement_group_table() or leftovers(1)[1] == []
 
 
+def test_only_cpus_short_names_cpus_per_worker(runtime):
+    # 8 GPU workers asking 3 CPUs each on a cluster of 16 CPUs: the GPUs fit, the CPUs do not.
+    with pytest.raises(PlacementError, match=r"requested \{CPU: 24, GPU: 8\}, cluster total "
+                                             r"\{CPU: 16, GPU: 8\}.*Only CPUs are short.*"
+                                             r"cpus_per_worker=2\b"):
+        runtime.initialize(groups=[DeviceGroup("gpus", 8, "cuda", cpus_per_worker=3)])
+    assert not ray.util.placement_group_table() or leftovers(1)[1] == []
+
+
+def test_progress_after_setting(monkeypatch):
+    from twinkle_ray import placement
+
+    monkeypatch.delenv("TWINKLE_PROGRESS_AFTER_S", raising=False)
+    assert placement.progress_after_s() == placement.PROGRESS_AFTER_S == 15.0
+    monkeypatch.setenv("TWINKLE_PROGRESS_AFTER_S", "2.5")
+    assert placement.progress_after_s() == 2.5
+    monkeypatch.setenv("TWINKLE_PROGRESS_AFTER_S", "soon")  # not a number: the default
+    assert placement.progress_after_s() == 15.0
+
+
+@pytest.mark.slow
 def test_busy_cluster_times_out_and_leaves_nothing(runtime, caplog, monkeypatch):
     from twinkle_ray import placement
 

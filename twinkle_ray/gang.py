@@ -36,14 +36,20 @@ from .remote import DEFAULT_FUNCTION, RemoteFunction
 logger = logging.getLogger(__name__)
 
 PUT_THRESHOLD_BYTES = 64 * 1024
-PROGRESS_AFTER_S = 5.0
-PROGRESS_EVERY_S = 10.0
+# Progress lines on long waits: placement.progress_after_s() / PROGRESS_EVERY_S (one setting
+# for placement and gang start-up: 15 s, or TWINKLE_PROGRESS_AFTER_S).
 
 
 def wait_with_progress(ref, what: str, timeout_s: float | None) -> Any:
-    """ray.get ``ref``, logging a progress line (WARNING) on a long wait."""
+    """ray.get ``ref``, logging a progress line (WARNING) on a really long wait.
+
+    The first line comes after ``placement.progress_after_s()`` (15 s, or
+    ``TWINKLE_PROGRESS_AFTER_S``), then one every ``PROGRESS_EVERY_S``.
+    """
+    from .placement import PROGRESS_EVERY_S, progress_after_s
+
     start = time.monotonic()
-    next_note = PROGRESS_AFTER_S
+    next_note = progress_after_s()
     while True:
         elapsed = time.monotonic() - start
         step = 1.0 if timeout_s is None else max(0.0, min(1.0, timeout_s - elapsed))

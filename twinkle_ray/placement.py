@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,8 +35,26 @@ from .group import DeviceGroup
 
 logger = logging.getLogger(__name__)
 
-PROGRESS_AFTER_S = 5.0
+# Long waits (placement here, gang start-up in gang.py) log a progress line on the
+# 'twinkle_ray' logger once they pass progress_after_s(), then every PROGRESS_EVERY_S.
+PROGRESS_AFTER_S = 15.0
 PROGRESS_EVERY_S = 10.0
+PROGRESS_ENV = "TWINKLE_PROGRESS_AFTER_S"
+
+
+def progress_after_s() -> float:
+    """Seconds a wait runs before its first progress line.
+
+    ``TWINKLE_PROGRESS_AFTER_S`` in the driver's environment when set (``0``
+    logs every wait from the first second), else ``PROGRESS_AFTER_S`` (15 s).
+    """
+    raw = os.environ.get(PROGRESS_ENV, "").strip()
+    if raw:
+        try:
+            return max(0.0, float(raw))
+        except ValueError:
+            logger.warning("ignoring %s=%r: not a number of seconds", PROGRESS_ENV, raw)
+    return PROGRESS_AFTER_S
 
 
 @dataclass(frozen=True)
@@ -81,7 +100,7 @@ def check_feasible(groups: list[DeviceGroup]) -> None:
         raise PlacementError(
             f"the cluster can never hold group(s) {names}: requested {_fmt(wanted)}, "
             f"cluster total {_fmt({k: total.get(k, 0.0) for k in wanted})} "
-            f"over {len(nodes)} node(s)"
+            f"over {len(nodes)} node(s)" + _cpu_hint(groups, set(short), total.get("CPU", 0.0))
         )
     for g in groups:
         if g.colocate_with:
@@ -90,9 +109,12 @@ def check_feasible(groups: list[DeviceGroup]) -> None:
         need = bundles[0]
         fits_one = [n for n in nodes if all(n["Resources"].get(k, 0) >= v for k, v in need.items())]
         if not fits_one:
+            largest = _largest_node(nodes, need)
+            short_here = {k for k, v in need.items() if v > largest.get(k, 0.0) + 1e-9}
             raise PlacementError(
                 f"group '{g.name}': one worker needs {_fmt(need)} but no node has that much; "
-                f"largest node has {_fmt(_largest_node(nodes, need))}"
+                f"largest node has {_fmt(largest)}"
+                + _cpu_hint([g], short_here, largest.get("CPU", 0.0), per_worker=True)
             )
         if g.strategy == "STRICT_PACK":
             whole = {k: v * len(bundles) for k, v in need.items()}
@@ -108,6 +130,38 @@ def check_feasible(groups: list[DeviceGroup]) -> None:
             )
 
 
+def _nice_below(x: float) -> float:
+    """The largest of a few round CPU amounts that is <= ``x`` (0 when none is)."""
+    return next((v for v in (8, 4, 2, 1, 0.5, 0.25, 0.1) if v <= x + 1e-9), 0.0)
+
+
+def _cpu_hint(groups: list[DeviceGroup], short: set[str], cpus: float, *,
+              per_worker: bool = False) -> str:
+    """Name the knob when only CPUs are short and accelerator groups ask for them.
+
+    ``cpus`` is what there is (the cluster's total, or the largest node's when
+    ``per_worker``). A GPU worker rarely needs a whole CPU of its own, so
+    ``cpus_per_worker`` on the accelerator groups is the usual fix; the suggested
+    value is what fits after the CPU-only groups take their share.
+    """
+    if short != {"CPU"}:
+        return ""
+    accel = [g for g in groups if not g.colocate_with and g.resource_name and g.cpus_per_worker > 0]
+    if not accel:
+        return ""
+    if per_worker:
+        fits = cpus
+    else:
+        cpu_only = sum(g.cpus_per_worker * g.num_workers for g in groups
+                       if not g.colocate_with and not g.resource_name)
+        fits = (cpus - cpu_only) / sum(g.num_workers for g in accel)
+    names = ", ".join(f"'{g.name}' (cpus_per_worker={g.cpus_per_worker:g})" for g in accel)
+    return (
+        f". Only CPUs are short: lower cpus_per_worker on {names}, "
+        f"e.g. DeviceGroup(..., cpus_per_worker={_nice_below(fits):g})"
+    )
+
+
 def _largest_node(nodes: list[dict], like: dict) -> dict:
     key = next(iter(k for k in like if k != "CPU"), "CPU")
     best = max(nodes, key=lambda n: n["Resources"].get(key, 0), default={"Resources": {}})
@@ -120,7 +174,8 @@ def reserve(
     """Create one placement group per group and wait until all are ready.
 
     Progress is logged (WARNING, so it shows by default) when the wait passes
-    a few seconds. On timeout every placement group made here is removed and
+    ``progress_after_s()`` (15 s unless ``TWINKLE_PROGRESS_AFTER_S`` says
+    otherwise). On timeout every placement group made here is removed and
     PlacementError names the groups still pending.
     """
     check_feasible(groups)
@@ -146,7 +201,7 @@ def reserve(
 def _wait_ready(pgs: dict[str, PlacementGroup], groups: list[DeviceGroup], timeout_s: float):
     start = time.monotonic()
     pending = {pg.ready(): name for name, pg in pgs.items()}
-    next_note = PROGRESS_AFTER_S
+    next_note = progress_after_s()
     by_name = {g.name: g for g in groups}
     while pending:
         elapsed = time.monotonic() - start
