@@ -28,6 +28,7 @@ def foreign_pg(ray_session):
     remove_placement_group(pg)
 
 
+@pytest.mark.slow
 def test_gang_runs_on_adopted_bundles_and_shutdown_keeps_the_pg(runtime, foreign_pg):
     from ray.util.placement_group import placement_group_table
 

@@ -75,6 +75,7 @@ def test_topology_yaml_file_and_bad_files(tmp_path, capsys):
     assert cli.main(["topology"]) == 2 and "--address" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_topology_on_ray_and_of_running_gangs(runtime, groups_file):
     """Ray mode, as a separate driver attached to the session's Ray: reserve a groups file and
     print real devices; then list a gang this test runs, by name."""
@@ -103,6 +104,7 @@ def test_topology_on_ray_and_of_running_gangs(runtime, groups_file):
     assert "healthy" in out.stdout and out.stdout.count("  rank ") == 2
 
 
+@pytest.mark.slow
 def test_demo_runs_the_quickstart(runtime, capsys):
     """In the session's Ray (initialize uses it as is); classes travel by value."""
     assert cli.main(["demo", "--steps", "1"]) == 0

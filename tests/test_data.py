@@ -106,6 +106,7 @@ def test_loader_batches_reach_each_dp_rank_exactly_once(rt, consumer):
     assert loader.state_dict()["epoch"] == 2
 
 
+@pytest.mark.slow
 def test_loader_resumes_through_ray(rt, consumer):
     kwargs = dict(batch_size=4, device_mesh=MESH, shuffle=True, seed=5, drop_last=True)
     loader = DataLoader(list(range(30)), remote_group="data", **kwargs)
@@ -122,6 +123,7 @@ def test_loader_resumes_through_ray(rt, consumer):
     assert fresh.state_dict()["epoch"] == 4
 
 
+@pytest.mark.slow
 def test_ray_data_source_streams_to_dp_ranks(rt, consumer):
     import ray.data
 
@@ -146,6 +148,7 @@ def test_ray_data_source_streams_to_dp_ranks(rt, consumer):
     assert rest == epoch1[2:]
 
 
+@pytest.mark.slow
 def test_ray_data_source_is_read_as_a_stream(rt, consumer):
     """A billion rows (8 GB as int64) cannot be materialised here: only a stream finishes."""
     import ray.data

@@ -131,6 +131,7 @@ def test_sigkill_idle_worker(gang):
     _restart_and_check(gang, set(ports))
 
 
+@pytest.mark.slow
 def test_os_exit_mid_call(gang):
     _, ports = zip(*gang.info()(), strict=True)
     t0 = time.monotonic()
@@ -139,6 +140,7 @@ def test_os_exit_mid_call(gang):
     _restart_and_check(gang, set(ports))
 
 
+@pytest.mark.slow
 def test_ray_kill_with_call_pending(gang):
     _, ports = zip(*gang.info()(), strict=True)
     pending = gang.sleep(20)
@@ -152,6 +154,7 @@ def test_ray_kill_with_call_pending(gang):
     _restart_and_check(gang, set(ports))
 
 
+@pytest.mark.slow
 def test_death_while_peer_blocked_in_collective(gang):
     _, ports = zip(*gang.info()(), strict=True)
     t0 = time.monotonic()
@@ -178,6 +181,7 @@ def test_user_exception_keeps_its_type_and_names_rank(gang):
     assert gang.sleep(0)() == [0, 1]  # not a death: the gang lives on
 
 
+@pytest.mark.slow
 def test_max_restarts_rebuilds_automatically(gang):
     healing = SelfHealing(remote_group="h")
     try:
@@ -195,6 +199,7 @@ def test_max_restarts_rebuilds_automatically(gang):
         healing.close()
 
 
+@pytest.mark.slow
 def test_failing_init_names_the_rank(ray_session):
     import twinkle_ray
 

@@ -171,6 +171,7 @@ def _ray_job(head: HeadNode, *args: str, timeout: float = 60.0) -> subprocess.Co
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_quickstart_runs_unchanged_under_ray_job_submit(head, ray_session):
     import ray
 
@@ -190,6 +191,7 @@ def test_quickstart_runs_unchanged_under_ray_job_submit(head, ray_session):
     assert ray.is_initialized() and ray.get_runtime_context().gcs_address == session_gcs
 
 
+@pytest.mark.slow
 def test_head_node_processes_are_ours(head):
     """Sanity for the cleanup: the cluster's gcs and raylet are in the group we will kill."""
     cmds = [cmd for _, cmd in head.processes()]
@@ -197,6 +199,7 @@ def test_head_node_processes_are_ours(head):
     assert _get_json(f"{head.dashboard}/api/version")["ray_version"]
 
 
+@pytest.mark.slow
 def test_job_runtime_env_file_ships_the_checkout(head):
     """deploy/runtime_env.yaml (what deploy/kuberay/rayjob.yaml embeds) uploads this checkout."""
     sid = f"twinkle-runtime-env-{os.getpid()}"

@@ -140,11 +140,13 @@ def world_results(tmp_path_factory) -> dict[int, dict]:
     return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)}
 
 
+@pytest.mark.slow
 def test_context_uses_torch_distributed_rank(world_results):
     for r, res in world_results.items():
         assert (res["get_rank"], res["get_world_size"]) == (r, WORLD)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(_our_meshes()))
 def test_groups_equal_torch_on_every_rank(world_results, name):
     for r, res in world_results.items():
@@ -157,6 +159,7 @@ def test_groups_equal_torch_on_every_rank(world_results, name):
             assert got["ours_local"] == got["torch_local"], (name, r, dim)
 
 
+@pytest.mark.slow
 def test_ground_truth_values_seen_by_torch(world_results):
     pp_tp = world_results[5]["meshes"]["pp_tp_4x2"]["dims"]
     assert pp_tp["pp"]["torch"] == [1, 3, 5, 7] and pp_tp["tp"]["torch"] == [4, 5]
@@ -174,6 +177,7 @@ def test_ground_truth_values_seen_by_torch(world_results):
     assert megatron["dp_cp"]["converted"] == [0, 2, 4, 6]
 
 
+@pytest.mark.slow
 def test_data_slices_inside_the_world(world_results):
     expected = {
         0: [0, 5],

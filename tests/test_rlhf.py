@@ -26,6 +26,7 @@ def load_example():
     return mod
 
 
+@pytest.mark.slow
 def test_grpo_example_quick_run_learns(ray_session, capsys, tmp_path):
     example = load_example()
     twinkle_ray.shutdown()

@@ -31,6 +31,7 @@ class Stage:
         return [(x, get_rank()) for x in xs]
 
 
+@pytest.mark.slow
 def test_gpus_per_worker_two_and_last_pp(runtime):
     # 4 devices, 2 per worker (a TP=2 engine per worker): pp=2 stages x tp=2
     runtime.initialize(groups=[DeviceGroup("pp", ranks=4, device_type="cuda", gpus_per_worker=2)])
@@ -51,6 +52,7 @@ class CpuThing:
         return [os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("RANK")]
 
 
+@pytest.mark.slow
 def test_cpu_group_and_second_gang_on_same_group(runtime):
     runtime.initialize(groups=[DeviceGroup("cpu", ranks=2, device_type="CPU"),
                                DeviceGroup("gpu", ranks=2, device_type="GPU")])
@@ -63,6 +65,7 @@ def test_cpu_group_and_second_gang_on_same_group(runtime):
     assert sorted(first.devices()()) == sorted(set(first.devices()()))
 
 
+@pytest.mark.slow
 def test_colocated_group_shares_devices(runtime):
     runtime.initialize(groups=[DeviceGroup("train", ranks=2),
                                DeviceGroup("rollout", ranks=2, colocate_with="train")])
@@ -119,6 +122,7 @@ def run_script(code: str, timeout: float = 240) -> tuple[list, str]:
     return json.loads(line[len("RESULT "):]), proc.stdout
 
 
+@pytest.mark.slow
 def test_multinode_gang_spans_two_nodes():
     rows, stdout = run_script(MULTINODE)
     assert [r["RANK"] for r in rows] == ["0", "1", "2", "3"]
@@ -135,6 +139,7 @@ def test_multinode_gang_spans_two_nodes():
     assert "largest node has {CPU: 2, GPU: 2}" in placement
 
 
+@pytest.mark.slow
 def test_quickstart_example_runs():
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
@@ -187,6 +192,7 @@ NPU = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_npu_group_pins_through_rays_accelerator_variable():
     rows, _ = run_script(NPU, timeout=180)
     assert [r[0] for r in rows] == ["0", "1", "2", "3"]  # one NPU each, in rank order

@@ -134,6 +134,7 @@ def sampler_url(ray_session):
     assert not _gang_actors(), "serve.shutdown() left gang actors alive"
 
 
+@pytest.mark.slow
 def test_concurrent_requests_are_batched_across_dp_ranks(sampler_url):
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda i: ask(sampler_url, i), range(8)))
@@ -152,11 +153,13 @@ def test_concurrent_requests_are_batched_across_dp_ranks(sampler_url):
     (json.dumps({"prompt": "x", "shell": "rm"}).encode(), 400, "unknown field"),
     (json.dumps({"prompt": "x", "max_tokens": 10_000}).encode(), 400, "max_tokens"),
 ])
+@pytest.mark.slow
 def test_bad_requests_get_a_json_error(sampler_url, data, status, words):
     code, body = post(sampler_url, data)
     assert code == status and words in body["error"]
 
 
+@pytest.mark.slow
 def test_dead_worker_gets_the_replica_replaced(sampler_url, ray_session):
     import ray
 

@@ -10,6 +10,7 @@ import textwrap
 import time
 import zlib
 
+import pytest
 import ray
 
 from conftest import leftovers
@@ -23,6 +24,7 @@ class Tiny:
         return [2 * x for x in xs]
 
 
+@pytest.mark.slow
 def test_twenty_cycles_leak_nothing(ray_session):
     import twinkle_ray
 
@@ -56,6 +58,7 @@ EXITING_DRIVER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_driver_exit_without_shutdown_leaves_nothing(ray_session):
     from ray.util import state
 
@@ -105,6 +108,7 @@ def _span(n: int, parts: int, k: int) -> range:
     return range(start, start + q + (1 if k < r else 0))
 
 
+@pytest.mark.slow
 def test_soak_two_thousand_calls_nothing_lost_duplicated_or_misrouted(runtime):
     runtime.initialize(groups=[DeviceGroup("p", 2, "cpu"), DeviceGroup("c", 3, "cpu")])
     p = Soaker(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="p")

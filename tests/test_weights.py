@@ -194,6 +194,7 @@ def _check_identical(trainer, sampler) -> None:
         assert d["digests"] == t0, f"sampler rank {d['rank']} differs from the trainer"
 
 
+@pytest.mark.slow
 def test_sync_50m_params_bit_identical_on_every_sampler_worker(gangs):
     trainer, sampler = gangs
     n_params = sum(p.numel() for p in big_model(0).parameters())
@@ -216,6 +217,7 @@ def test_sync_50m_params_bit_identical_on_every_sampler_worker(gangs):
     _check_identical(trainer, sampler)
 
 
+@pytest.mark.slow
 def test_sync_only_changed_and_named_subsets_through_gangs(gangs):
     trainer, sampler = gangs
     sync_weights(trainer, sampler, only_changed=True)  # starts tracking: sends everything
