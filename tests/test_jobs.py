@@ -192,6 +192,29 @@ def test_quickstart_runs_unchanged_under_ray_job_submit(head, ray_session):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_rlhf_fsdp_hf_quick_runs_unchanged_under_ray_job_submit(head, ray_session, tmp_path):
+    """examples/rlhf_fsdp_hf.py --quick (FSDP2 trainer gang, HF sampler gang) as a Ray Job."""
+    import ray
+
+    session_gcs = ray.get_runtime_context().gcs_address  # the test session's Ray, must survive
+    sid = f"twinkle-rlhf-fsdp-hf-{os.getpid()}"
+    submit = _ray_job(head, "submit", "--submission-id", sid, "--working-dir", ".",
+                      "--", sys.executable, "examples/rlhf_fsdp_hf.py", "--quick", "--out-dir", str(tmp_path),
+                      timeout=2 * JOB_TIMEOUT_S)
+    info = _get_json(f"{head.dashboard}/api/jobs/{sid}")
+    logs = _get_json(f"{head.dashboard}/api/jobs/{sid}/logs")["logs"]
+    assert info["status"] == "SUCCEEDED", f"{info}\n{submit.stdout[-3000:]}\n{submit.stderr[-3000:]}"
+    assert submit.returncode == 0 and "succeeded" in submit.stdout
+    line = next(x for x in logs.splitlines() if x.startswith("RESULT "))
+    result = json.loads(line[len("RESULT "):])
+    assert result["reward_last"] > result["reward_first"] + 0.1, result
+    assert (tmp_path / "checkpoint" / "config.json").is_file()
+    # the job attached to the cluster, it did not start its own Ray
+    assert "Connecting to existing Ray cluster" in logs or "Started a local Ray" not in logs
+    assert ray.is_initialized() and ray.get_runtime_context().gcs_address == session_gcs
+
+
 def test_head_node_processes_are_ours(head):
     """Sanity for the cleanup: the cluster's gcs and raylet are in the group we will kill."""
     cmds = [cmd for _, cmd in head.processes()]

@@ -412,10 +412,42 @@ def _node_ip() -> str:
 
 
 # ------------------------------------------------------------------------------ the mixin
+def _is_dtensor(tensor: Any) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (FSDP2 / tensor-parallel shard), without importing it."""
+    cls = type(tensor)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+
+
+def _gather_full(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Full tensors from DTensor shards: every rank gathers, the gang's rank 0 keeps them.
+
+    ``full_tensor()`` is a collective on the DTensor's own mesh (the process
+    groups FSDP2 shards over), so every rank of the gang must call this, with
+    the same names in the same order (a state dict's order). Each tensor is
+    gathered once; rank 0 returns name -> full tensor (plain, detached),
+    other ranks return ``{}`` (the source only sends from rank 0). Plain
+    tensors (buffers, unsharded parameters) pass through unchanged.
+    """
+    import torch
+
+    keep = get_rank() == 0
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        for name, t in tensors.items():
+            full = t.full_tensor() if _is_dtensor(t) else t
+            if keep:
+                out[name] = full.detach()
+    return out
+
+
 def _module_tensors(module: Any) -> dict[str, Any]:
+    """A module's state dict by name; DTensor (FSDP2) values are gathered (see :func:`_gather_full`)."""
     if type(module).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel"):
         module = module.module  # the wrapped model: names without the 'module.' prefix
-    return dict(module.state_dict(keep_vars=False))
+    tensors = dict(module.state_dict(keep_vars=False))
+    if any(_is_dtensor(t) for t in tensors.values()):
+        return _gather_full(tensors)
+    return tensors
 
 
 class WeightSyncMixin:
@@ -445,7 +477,14 @@ class WeightSyncMixin:
 
     # -- hooks ----------------------------------------------------------------------------------
     def weight_sync_tensors(self) -> dict[str, Any]:
-        """name -> tensor: what a source sends and a receiver fills by default."""
+        """name -> tensor: what a source sends and a receiver fills by default.
+
+        ``self.model``'s state dict (DDP unwrapped). An FSDP2 (``fully_shard``)
+        or DTensor-parallel model is gathered here: every rank calls
+        ``full_tensor()`` once per tensor, rank 0 returns the full tensors and
+        the other ranks ``{}``. That suits a source; a sharded *receiver* must
+        override ``weight_sync_load`` (its targets are its own shards).
+        """
         model = getattr(self, "model", None)
         if model is None or not hasattr(model, "state_dict"):
             raise NotImplementedError(

@@ -6,6 +6,11 @@
     python examples/vllm_megatron/grpo.py --check            # what is installed, what is missing
     python examples/vllm_megatron/grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --prompts rows.jsonl
     ray job submit --working-dir . -- python examples/vllm_megatron/grpo.py --model ... --prompts ...
+    python examples/vllm_megatron/grpo.py --trainer fsdp2 ...   # FSDP2Trainer (HF model, fully_shard)
+
+``--trainer fsdp2`` swaps Megatron for :class:`FSDP2Trainer` (fsdp2_trainer.py):
+the HF model under torch FSDP2 on ``--trainer-dp`` GPUs, the building blocks
+that ``examples/rlhf_fsdp_hf.py`` runs on CPU in CI; it needs no Megatron.
 
 ``--prompts`` is a JSON-lines file of {"prompt": str, "answer": str}; the
 reward is 1 when the completion contains the answer. Needs vLLM,
@@ -89,16 +94,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
     p.add_argument("--sampler-engines", type=int, default=2)
     p.add_argument("--sampler-tp", type=int, default=2, help="GPUs per vLLM engine (gpus_per_worker)")
+    p.add_argument("--trainer", choices=("megatron", "fsdp2"), default="megatron",
+                   help="Megatron-Core via Megatron-Bridge, or the HF model under torch FSDP2")
     p.add_argument("--trainer-dp", type=int, default=2)
-    p.add_argument("--trainer-tp", type=int, default=2)
+    p.add_argument("--trainer-tp", type=int, default=2, help="Megatron only (FSDP2 shards over --trainer-dp)")
     p.add_argument("--lr", type=float, default=1e-6)
     args = p.parse_args(argv)
     if args.check:
         return check()
     if not (args.model and args.prompts):
         p.error("--model and --prompts are required (or --check)")
-    for module, install in (("vllm", "pip install vllm"), ("megatron.bridge", "pip install megatron-bridge")):
+    needed = [("vllm", "pip install vllm")]
+    if args.trainer == "megatron":
+        needed.append(("megatron.bridge", "pip install megatron-bridge"))
+    for module, install in needed:
         require(module, install, "examples/vllm_megatron/grpo.py")  # fail here, clearly, not in a gang
+    trainer_gpus = args.trainer_dp * (args.trainer_tp if args.trainer == "megatron" else 1)
 
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     tp, engines = args.sampler_tp, args.sampler_engines
@@ -106,23 +117,29 @@ def main(argv: list[str] | None = None) -> int:
         DeviceGroup("data", 1, "cpu"),
         DeviceGroup("reward", 1, "cpu"),
         DeviceGroup("sampler", engines * tp, "cuda", gpus_per_worker=tp),
-        DeviceGroup("trainer", args.trainer_dp * args.trainer_tp, "cuda"),
+        DeviceGroup("trainer", trainer_gpus, "cuda"),
     ]
     extra = {} if os.environ.get("RAY_ADDRESS") else {
         "runtime_env": {"env_vars": {"PYTHONPATH": str(ROOT)}}}  # workers import examples.vllm_megatron
     twinkle.initialize("ray", groups=groups, **extra)
     try:
+        from examples.vllm_megatron.fsdp2_trainer import FSDP2Trainer
         from examples.vllm_megatron.megatron_trainer import MegatronTrainer
         from examples.vllm_megatron.vllm_sampler import VLLMSampler
+        from twinkle_ray.mesh_factory import create_fsdp2_mesh
 
         print(twinkle.get_device_placement())
         sampler_mesh = DeviceMesh.from_sizes(dp_size=engines, tp_size=tp)
-        trainer_mesh = DeviceMesh.from_sizes(dp_size=args.trainer_dp, tp_size=args.trainer_tp)
+        if args.trainer == "fsdp2":
+            trainer_mesh = create_fsdp2_mesh(world_size=trainer_gpus)
+        else:
+            trainer_mesh = DeviceMesh.from_sizes(dp_size=args.trainer_dp, tp_size=args.trainer_tp)
         loader = DataLoader(rows, batch_size=args.batch_size, device_mesh=sampler_mesh, shuffle=True,
                             remote_group="data")
         sampler = VLLMSampler(args.model, device_mesh=sampler_mesh, n=args.group_size, remote_group="sampler")
         reward = AnswerReward(args.group_size, remote_group="reward")
-        trainer = MegatronTrainer(args.model, device_mesh=trainer_mesh, lr=args.lr, remote_group="trainer")
+        trainer_cls = FSDP2Trainer if args.trainer == "fsdp2" else MegatronTrainer
+        trainer = trainer_cls(args.model, device_mesh=trainer_mesh, lr=args.lr, remote_group="trainer")
         print(f"initial weight sync: {sync_weights(trainer, sampler)}")
         batches = endless(loader)
         for step in range(1, args.steps + 1):
