@@ -4,7 +4,11 @@ Each Serve replica owns one gang of sampler workers (a DeviceGroup mapped to
 the replica's placement-group bundles). Concurrent HTTP requests are
 batched with ``@serve.batch`` and one batch is split across the gang's
 data-parallel ranks (``slice_dp``); each answer says which rank made it. A
-dead worker fails the replica's health check and Serve replaces the replica.
+dead worker is healed inside the replica: it rebuilds its gang while
+requests wait, and re-runs the batch the death interrupted (sampling is
+seeded, so a re-run gives the same answer). Only a gang that cannot be
+rebuilt fails the health check, and Serve replaces the replica. Every bad
+request gets a 4xx with a JSON error (405 for a method other than POST).
 
 Requests and responses are JSON::
 
@@ -44,6 +48,7 @@ from twinkle_ray.serve import (
     ReplicaGang,
     check_cluster_fits,
     deployment_options,
+    error_response,
     json_response,
     read_json,
 )
@@ -53,7 +58,7 @@ MAX_TOKENS = 256
 MAX_PROMPT_CHARS = 2000
 
 
-@remote_class()
+@remote_class(max_restarts=5)  # the dispatcher starts a rebuild the moment a worker dies
 class TinySampler:
     """A byte-level bigram language model; every rank holds the same weights."""
 
@@ -130,12 +135,9 @@ class SamplerServer:
     async def __call__(self, request: Any) -> Any:
         try:
             req = parse_request(await read_json(request))
-        except BadRequest as e:
-            return json_response({"error": str(e)}, status=e.status)
-        try:
-            return await self.generate(req)
-        except twinkle.WorkerDiedError as e:  # Serve replaces this replica at its next health check
-            return json_response({"error": str(e), "replica": self.replica}, status=503)
+            return json_response(await self.generate(req))
+        except Exception as e:  # 4xx: a bad request; 503: the gang is gone for good; else 500
+            return error_response(e)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.05)
     async def generate(self, requests: list[dict]) -> list[dict]:
@@ -216,12 +218,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     import ray
 
+    own_ray = False
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):  # under ray job submit: attach to the cluster
             ray.init()
         else:
             # a laptop: declare enough (virtual) CPUs for replica + workers, as quickstart does
             ray.init(num_cpus=max(8, os.cpu_count() or 1), dashboard_host="127.0.0.1")
+            own_ray = True
     check_cluster_fits(DeviceGroup("sampler", args.ranks, "cpu"))  # fail fast, never wait forever
     port = args.port or _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -247,7 +251,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 time.sleep(3600)
         return [out for _, out in answers]
     finally:
-        serve.shutdown()
+        # Only our application goes: on a shared cluster Serve may hold other people's apps.
+        # (serve.shutdown() would also stop Serve itself, and Ray then logs a harmless
+        # "Task ServeController.graceful_shutdown failed ... infinite retries" line.)
+        serve.delete("sampler")
+        if own_ray:
+            ray.shutdown()  # the Ray this script started, with Serve's controller and proxy
 
 
 if __name__ == "__main__":

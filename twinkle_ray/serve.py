@@ -5,17 +5,20 @@ holds the replica actor itself, bundles ``1..n`` one gang worker each. Serve
 reserves the whole placement group before it starts a replica, so it
 schedules whole gangs, never half of one. Inside the replica,
 :class:`ReplicaGang` adopts that placement group (no second reservation),
-starts the gang's dispatcher and workers on bundles ``1..n`` and reports the
-gang's health to Serve: when a worker dies, ``check_health`` raises
-``WorkerDiedError`` and Serve replaces the replica, gang and all. Requests and
-responses are JSON (:func:`read_json`); nothing here unpickles bytes from an
+starts the gang's dispatcher and workers on bundles ``1..n`` and heals it:
+when a worker dies, the replica rebuilds its gang on the same bundles while
+requests wait, and re-runs the calls the death interrupted. Only a gang
+that cannot be rebuilt fails Serve's health check, and then Serve replaces
+the replica, gang and all. Requests and responses are JSON
+(:func:`read_json`, :func:`json_response`, :func:`error_response`): every bad
+request gets a 4xx with a JSON error; nothing here unpickles bytes from an
 HTTP client.
 
 Example::
 
     from ray import serve
     from twinkle_ray import DeviceGroup
-    from twinkle_ray.serve import ReplicaGang, deployment_options, read_json
+    from twinkle_ray.serve import ReplicaGang, deployment_options, error_response, read_json
 
     GROUP = DeviceGroup("sampler", ranks=2, device_type="cuda")
 
@@ -25,8 +28,11 @@ Example::
             self.gang = ReplicaGang(GROUP, Sampler, device_mesh=DeviceMesh.from_sizes(dp_size=2))
 
         async def __call__(self, request):
-            body = await read_json(request)
-            return await self.gang.call(self.gang.proxy.generate, [body["prompt"]])
+            try:
+                body = await read_json(request)
+                return await self.gang.call(self.gang.proxy.generate, [body["prompt"]])
+            except Exception as e:  # 4xx for a bad request, 503 while the gang is unavailable
+                return error_response(e)
 
         async def check_health(self):
             await self.gang.check_health()
@@ -52,12 +58,26 @@ DEFAULT_REPLICA_RESOURCES: dict[str, float] = {"CPU": 1.0}
 MAX_BODY_BYTES = 1 << 20
 
 
-class BadRequest(ValueError):
-    """A request body that is not acceptable JSON; ``status`` is the HTTP code to answer."""
+MAX_JSON_DEPTH = 32
+MAX_ERROR_CHARS = 500
 
-    def __init__(self, message: str, status: int = 400):
+
+class BadRequest(ValueError):
+    """A request that is not acceptable; ``status`` is the HTTP code to answer (4xx).
+
+    ``headers`` go into the answer (``Allow`` for a 405). Messages are cut to
+    ``MAX_ERROR_CHARS`` so an error never echoes a whole body back.
+    """
+
+    def __init__(self, message: str, status: int = 400, headers: dict[str, str] | None = None):
+        if len(message) > MAX_ERROR_CHARS:
+            message = message[: MAX_ERROR_CHARS - 3] + "..."
         super().__init__(message)
         self.status = status
+        self.headers = dict(headers or {})
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.status, self.headers))
 
 
 def replica_bundles(
@@ -153,6 +173,23 @@ def _replica_namespace() -> str:
         return f"twinkle-serve-{uuid.uuid4().hex[:8]}"
 
 
+class GangUnavailable(RuntimeError):
+    """The replica's gang died and could not be rebuilt; Serve's health check now fails.
+
+    Raised by :meth:`ReplicaGang.call` and :meth:`ReplicaGang.check_health`;
+    ``cause`` is the last WorkerDiedError or the rebuild's own error. Serve
+    replaces the replica (a fresh placement group and gang) after its health
+    check threshold.
+    """
+
+    def __init__(self, message: str, cause: BaseException | None = None):
+        super().__init__(message)
+        self.cause = cause
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.cause))
+
+
 class ReplicaGang:
     """The gang a Serve replica owns, started on the replica's own placement group.
 
@@ -164,6 +201,21 @@ class ReplicaGang:
     ``data_world_size`` is the DeviceMesh's (found among the constructor
     arguments), else the number of workers.
 
+    **A dead worker is healed inside the replica.** When a worker dies,
+    the replica rebuilds its own gang on the same placement group (the
+    gang's ``restart()``; if the class was declared with
+    ``@remote_class(max_restarts=N)`` the dispatcher has already started
+    that rebuild and it is awaited, not repeated). Calls arriving meanwhile
+    wait for the rebuild; a call that was in flight at the death (it raised
+    ``WorkerDiedError``) is run again on the new gang, up to ``retries``
+    times, so the methods called through :meth:`call` must be safe to repeat
+    (sampling is; pass ``retries=0`` otherwise). Only when a rebuild fails,
+    takes longer than ``rebuild_timeout_s``, or more than ``max_rebuilds``
+    happen within ``rebuild_window_s`` does the gang count as unavailable:
+    calls and ``check_health`` raise :class:`GangUnavailable` and Serve
+    replaces the replica. ``heal=False`` turns all of this off (a death
+    fails ``check_health`` at once, as before).
+
     Example::
 
         self.gang = ReplicaGang(GROUP, Sampler, device_mesh=mesh)
@@ -171,13 +223,20 @@ class ReplicaGang:
     """
 
     def __init__(self, group: DeviceGroup, cls: type, *args: Any, namespace: str | None = None,
-                 **kwargs: Any):
+                 heal: bool = True, retries: int = 2, rebuild_timeout_s: float = 120.0,
+                 max_rebuilds: int = 5, rebuild_window_s: float = 600.0, **kwargs: Any):
         from ray.util import get_current_placement_group
 
         import twinkle_ray
 
         from .runtime import adopt_placement_group, current
 
+        if retries < 0 or max_rebuilds < 0 or rebuild_timeout_s <= 0 or rebuild_window_s <= 0:
+            raise ValueError(
+                f"ReplicaGang('{group.name}'): retries and max_rebuilds must be >= 0 and the "
+                f"timeouts positive, got retries={retries}, max_rebuilds={max_rebuilds}, "
+                f"rebuild_timeout_s={rebuild_timeout_s}, rebuild_window_s={rebuild_window_s}"
+            )
         pg = get_current_placement_group()
         if pg is None:
             raise RuntimeError(
@@ -193,6 +252,11 @@ class ReplicaGang:
             )
         self.group = group
         self.namespace = namespace or _replica_namespace()
+        self.heal = heal
+        self.retries = retries
+        self.rebuild_timeout_s = rebuild_timeout_s
+        self.max_rebuilds = max_rebuilds
+        self.rebuild_window_s = rebuild_window_s
         rt = current()
         if rt is None:
             twinkle_ray.initialize("ray", namespace=self.namespace)
@@ -204,21 +268,126 @@ class ReplicaGang:
         mesh = next((v for v in (*args, *kwargs.values()) if isinstance(v, DeviceMesh)), None)
         self.data_world_size = mesh.data_world_size if mesh is not None else group.num_workers
         self.proxy = cls(*args, remote_group=group.name, **kwargs)
+        self.rebuilds: list[float] = []  # monotonic times of the rebuilds this replica did
+        self._generation = self._describe().get("generation")
+        self._epoch = 0  # bumped by every rebuild: a call knows whether its gang was replaced
+        self._rebuild_task: asyncio.Task | None = None
+        self._unavailable: GangUnavailable | None = None
         logger.info("replica gang %r started in namespace %s", self.proxy, self.namespace)
 
-    async def check_health(self, timeout: float = 10.0) -> None:
-        """Raise WorkerDiedError if a worker of the gang died; for Serve's ``check_health``."""
-        await asyncio.to_thread(self.proxy.check_health, timeout)
+    def _describe(self) -> dict:
+        try:
+            return dict(self.proxy.topology())
+        except Exception:  # noqa: BLE001 — only used to tell rebuilt gangs apart
+            logger.debug("topology of %r failed", self.proxy, exc_info=True)
+            return {}
 
+    # -- health and healing ----------------------------------------------------------------------
+    @property
+    def rebuilding(self) -> bool:
+        """True while a rebuild of the gang is under way."""
+        return self._rebuild_task is not None and not self._rebuild_task.done()
+
+    async def check_health(self, timeout: float = 10.0) -> None:
+        """For Serve's ``check_health``: raise only if the gang is dead and cannot be rebuilt.
+
+        A dead gang that nobody has called since (an idle replica) is rebuilt
+        from here, in the background; while a rebuild is under way the
+        replica counts as healthy (the rebuild has its own deadline).
+        """
+        from .errors import WorkerDiedError
+
+        if self._unavailable is not None:
+            raise self._unavailable
+        if self.rebuilding:
+            return
+        try:
+            await asyncio.to_thread(self.proxy.check_health, timeout)
+        except WorkerDiedError as e:
+            if not self.heal:
+                raise
+            self._start_rebuild(self._epoch, e)
+
+    def _start_rebuild(self, seen_epoch: int, death: BaseException) -> asyncio.Task | None:
+        """The rebuild for the gang a caller saw die (None: it was replaced already)."""
+        if self._epoch != seen_epoch:
+            return None
+        if not self.rebuilding:
+            self._rebuild_task = asyncio.ensure_future(self._rebuild(death))
+        return self._rebuild_task
+
+    async def _rebuild(self, death: BaseException) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        self.rebuilds = [t for t in self.rebuilds if now - t < self.rebuild_window_s]
+        if len(self.rebuilds) >= self.max_rebuilds:
+            self._give_up(
+                f"its gang on group '{self.group.name}' died {len(self.rebuilds) + 1} times within "
+                f"{self.rebuild_window_s:g}s (max_rebuilds={self.max_rebuilds})", death)
+        self.rebuilds.append(now)
+        logger.warning("replica gang %r: %s; rebuilding it on the replica's placement group",
+                       self.proxy, death)
+        try:
+            desc = await asyncio.to_thread(self._describe)
+            if desc.get("dead") or desc.get("generation") in (None, self._generation):
+                # Not rebuilt yet by the dispatcher itself (max_restarts); restart() also awaits a
+                # rebuild the dispatcher has under way instead of starting a second one.
+                await asyncio.wait_for(
+                    asyncio.to_thread(self.proxy.restart, self.rebuild_timeout_s),
+                    self.rebuild_timeout_s + 5.0,
+                )
+                desc = await asyncio.to_thread(self._describe)
+        except Exception as e:  # noqa: BLE001 — anything here means: no gang to serve with
+            self._give_up(f"rebuilding its gang on group '{self.group.name}' failed: "
+                          f"{type(e).__name__}: {e}", e)
+        self._generation = desc.get("generation")
+        self._epoch += 1
+        logger.warning("replica gang %r rebuilt in %.1fs", self.proxy, loop.time() - now)
+
+    def _give_up(self, why: str, cause: BaseException) -> None:
+        self._unavailable = GangUnavailable(
+            f"replica unavailable: {why}; Serve's health check now fails and Serve replaces "
+            f"the replica", cause)
+        logger.error("%s", self._unavailable)
+        raise self._unavailable
+
+    # -- calls ---------------------------------------------------------------------------------
     async def call(self, method: Callable, items: Sequence, *, pad: Any = None,
-                   timeout: float | None = None) -> list:
+                   timeout: float | None = None, retries: int | None = None) -> list:
         """Run a ``slice_dp``/``collect='flatten'`` method on ``items``; await its results.
 
         A batch smaller than the gang's data-parallel size is padded with
         ``pad`` (the method must pass pads through) and trimmed afterwards, so
         a lone request still works. Blocking fetches run in a thread, so the
-        replica's event loop keeps serving.
+        replica's event loop keeps serving. A call made while the gang is
+        being rebuilt waits for the rebuild; one that meets a dead worker is
+        run again on the rebuilt gang (``retries``, default the gang's).
+        Raises :class:`GangUnavailable` when the gang cannot be rebuilt.
         """
+        from .errors import WorkerDiedError
+
+        retries = self.retries if retries is None else retries
+        attempt = 0
+        while True:
+            if self._unavailable is not None:
+                raise self._unavailable
+            if self.rebuilding:
+                await asyncio.shield(self._rebuild_task)
+            epoch = self._epoch
+            try:
+                return await self._call_once(method, items, pad, timeout)
+            except WorkerDiedError as e:
+                if not self.heal or attempt >= retries:
+                    raise
+                attempt += 1
+                task = self._start_rebuild(epoch, e)
+                logger.info("call on replica gang %r met a dead worker; retry %d of %d after "
+                            "the rebuild", self.proxy, attempt, retries)
+                if task is not None:
+                    await asyncio.shield(task)
+
+    async def _call_once(self, method: Callable, items: Sequence, pad: Any,
+                         timeout: float | None) -> list:
         items = list(items)
         dp = self.data_world_size
         padded = items + [pad] * max(0, dp - len(items))
@@ -235,28 +404,98 @@ class ReplicaGang:
         """Kill the gang (the placement group stays Serve's). Idempotent."""
         import twinkle_ray
 
+        if self._rebuild_task is not None:
+            self._rebuild_task.cancel()
         twinkle_ray.shutdown()
 
 
-async def read_json(request: Any, *, max_bytes: int = MAX_BODY_BYTES) -> dict:
+# -- JSON over HTTP --------------------------------------------------------------------------------
+def _json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of parsed JSON, without recursion; stops counting past ``limit``."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict | list):
+            deepest = max(deepest, d)
+            if deepest > limit:
+                return deepest
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+async def read_json(request: Any, *, max_bytes: int = MAX_BODY_BYTES,
+                    max_depth: int = MAX_JSON_DEPTH, methods: Sequence[str] = ("POST",)) -> dict:
     """The JSON object in an HTTP request's body, or BadRequest (never unpickles anything).
 
     ``request`` is a Starlette request (what Serve passes to ``__call__``).
+    Every way a request can be wrong is a :class:`BadRequest` whose
+    ``status`` is the 4xx to answer: a method not in ``methods`` (405, with
+    an ``Allow`` header), a ``Content-Length`` over ``max_bytes`` (413, before
+    any of the body is read; a body without one is read only up to
+    ``max_bytes``), a body that is not UTF-8 JSON (``NaN``/``Infinity`` are not
+    JSON; nor are integers of more than 4300 digits), nested deeper than
+    ``max_depth``, or not an object (400).
     """
-    body = await request.body()
-    if len(body) > max_bytes:
-        raise BadRequest(f"request body of {len(body)} bytes exceeds {max_bytes}", status=413)
+    method = str(getattr(request, "method", "POST")).upper()
+    allowed = [m.upper() for m in methods]
+    if allowed and method not in allowed:
+        raise BadRequest(f"method {method} is not allowed here; send {' or '.join(allowed)} with "
+                         f"a JSON object as the body", status=405,
+                         headers={"Allow": ", ".join(allowed)})
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+            if size < 0:
+                raise ValueError
+        except ValueError:
+            raise BadRequest(f"Content-Length {declared[:40]!r} is not a byte count") from None
+        if size > max_bytes:
+            raise BadRequest(f"request body of {size} bytes exceeds {max_bytes}", status=413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise BadRequest(f"request body exceeds {max_bytes} bytes", status=413)
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+    except RecursionError:
+        raise BadRequest(f"request body is nested too deeply (more than {max_depth} levels)") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN, a 5000-digit integer
         raise BadRequest(f"request body is not JSON: {e}") from None
     if not isinstance(data, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(data).__name__}")
+    if _json_depth(data, max_depth) > max_depth:
+        raise BadRequest(f"request body is nested too deeply (more than {max_depth} levels)")
     return data
 
 
-def json_response(content: Any, status: int = 200) -> Any:
-    """A Starlette JSONResponse (what a Serve ``__call__`` returns for an error status)."""
-    from starlette.responses import JSONResponse
+def json_response(content: Any, status: int = 200, headers: dict[str, str] | None = None) -> Any:
+    """A JSON HTTP response (what a Serve ``__call__`` returns), ASCII-escaped.
 
-    return JSONResponse(content, status_code=status)
+    Escaping keeps any string a client sent (a lone surrogate included) encodable,
+    so an error message quoting the client can never turn into a 500.
+    """
+    from starlette.responses import Response
+
+    body = json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    return Response(body.encode("ascii"), status_code=status, headers=headers,
+                    media_type="application/json")
+
+
+def error_response(error: BaseException) -> Any:
+    """The JSON error response for ``error``: a BadRequest's own 4xx, 503 for a gang that is
+    dead or being rebuilt, else 500 (the message names only the exception's type)."""
+    from .errors import WorkerDiedError
+
+    if isinstance(error, BadRequest):
+        return json_response({"error": str(error)}, error.status, error.headers)
+    if isinstance(error, GangUnavailable | WorkerDiedError):
+        return json_response({"error": str(error)}, 503)
+    logger.error("request failed", exc_info=error)
+    return json_response({"error": f"internal error ({type(error).__name__}); see the replica's "
+                                   f"log"}, 500)
