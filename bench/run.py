@@ -95,32 +95,45 @@ def _fmt_time(seconds: float, unit: str) -> str:
     return f"{seconds * 1000:9.2f} ms" if unit == "ms" else f"{seconds:9.3f} s "
 
 
+def _passes(row: dict, checks) -> bool:
+    ops = {"<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b}
+    return all(ops[op](row[key], bound) for key, op, bound in checks)
+
+
 def _check(row: dict) -> str:
+    """'ok' / 'MISS' against the row's target (and 'stretch ok' when a stretch target is met)."""
     target = row.get("target")
     if not target:
         return ""
-    if "throughput" in target:
-        ok = row["throughput_ratio"] >= 0.9
-    else:
-        ok = row["ratio"] <= float(target.split("<=")[1].strip().rstrip("x"))
-    return ("ok  " if ok else "MISS") + f" ({target})"
+    mark = "ok  " if _passes(row, row.get("checks", ())) else "MISS"
+    if row.get("stretch"):
+        mark += ", stretch ok  " if _passes(row, row["stretch"]) else ", stretch MISS"
+    return f"{mark} ({target})"
 
 
 def table(report: dict) -> str:
     """The report as a plain-text table."""
     lines = [f"twinkle_ray vs raw Ray -- {report['mode']} run, {report['machine']['cpus']} CPU(s), "
              f"Ray {report['machine']['ray']}, {report['wall_s']:.0f} s",
-             "medians of alternating runs; ratio = twinkle_ray / raw (lower is better)", ""]
-    head = f"{'benchmark':<58} {'twinkle_ray':>12} {'raw Ray':>12} {'ratio':>7}  target"
+             "medians of alternating runs; ratio = twinkle_ray / raw, vs floor = twinkle_ray / one-hop "
+             "floor (lower is better)", ""]
+    head = (f"{'benchmark':<58} {'twinkle_ray':>12} {'raw Ray':>12} {'ratio':>7} {'vs floor':>8}  "
+            "target")
     lines += [head, "-" * len(head)]
     scaling = [r for r in report["results"] if r.get("workers")]
+    slopes = [r for r in report["results"] if r.get("slope")]
     whatifs = [r for r in report["results"] if r.get("whatif")]
     for row in report["results"]:
-        if row in scaling or row in whatifs:
+        if row in scaling or row in whatifs or row in slopes:
             continue
         unit = row.get("unit", "ms")
+        if row.get("floor"):  # the one-hop floor: its time stands in the twinkle_ray column
+            lines.append(f"{row['name']:<58} {_fmt_time(row['floor_s'], unit):>12} "
+                         f"{_fmt_time(row['raw_s'], unit):>12} {row['ratio']:6.2f}x {'1.00x':>8}")
+            continue
+        vs_floor = f"{row['floor_ratio']:7.2f}x" if "floor_ratio" in row else f"{'':8}"
         lines.append(f"{row['name']:<58} {_fmt_time(row['twinkle_s'], unit):>12} "
-                     f"{_fmt_time(row['raw_s'], unit):>12} {row['ratio']:6.2f}x  {_check(row)}")
+                     f"{_fmt_time(row['raw_s'], unit):>12} {row['ratio']:6.2f}x {vs_floor}  {_check(row)}")
         if "throughput_ratio" in row:
             lines.append(f"{'   throughput, calls/s':<58} {row['twinkle_calls_per_s']:12.0f} "
                          f"{row['raw_calls_per_s']:12.0f} {row['throughput_ratio']:6.2f}x")
@@ -147,6 +160,11 @@ def table(report: dict) -> str:
             extra = (row["twinkle_s"] - row["raw_s"]) * 1000
             lines.append(f"{row['workers']:>8} {_fmt_time(row['twinkle_s'], 'ms'):>12} "
                          f"{_fmt_time(row['raw_s'], 'ms'):>12} {row['ratio']:6.2f}x {extra:7.2f} ms")
+    for row in slopes:
+        fitted = ", ".join(str(w) for w in row["workers_fitted"])
+        lines.append(f"{'slope':>8} {row['twinkle_ms_per_worker']:9.3f} ms {row['raw_ms_per_worker']:9.3f} ms "
+                     f"{'':7} {row['extra_ms_per_worker']:7.3f} ms per additional worker "
+                     f"(least squares over {fitted})  {_check(row)}")
     return "\n".join(lines)
 
 

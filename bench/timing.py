@@ -1,5 +1,8 @@
 """Interleaved timing: twinkle_ray and raw Ray take turns, so drift hits both alike.
 
+``compare_many`` does the same for more than two sides (B1: twinkle eager,
+twinkle lazy, the one-hop floor and raw in one rotation).
+
 Example::
 
     r = compare(lambda: gang.noop().get(), lambda: ray.get([a.noop.remote() for a in raw]),
@@ -64,3 +67,40 @@ def compare(
         "twinkle_samples": samples["twinkle"],
         "raw_samples": samples["raw"],
     }
+
+
+def compare_many(sides: dict[str, Step], *, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Samples (seconds) of every side, run in a rotating order ``repeats`` times each.
+
+    Round ``i`` starts with side ``i % k`` (k sides), so every side takes every
+    position equally often. Returns ``{side: [seconds, ...]}`` in run order.
+    """
+    names = list(sides)
+    for _ in range(warmup):
+        for name in names:
+            timed(sides[name])
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeats):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            samples[name].append(timed(sides[name]))
+    return samples
+
+
+def ratios(num: list[float], den: list[float]) -> tuple[float, float]:
+    """``(median(num) / median(den), median of the per-round ratios)`` of two sample lists."""
+    a, b = statistics.median(num), statistics.median(den)
+    pairs = [x / y for x, y in zip(num, den, strict=True) if y > 0]
+    return (a / b if b > 0 else float("nan"), statistics.median(pairs) if pairs else float("nan"))
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ``ys`` against ``xs`` (nan with fewer than two distinct xs)."""
+    n = len(xs)
+    if n < 2:
+        return float("nan")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return float("nan")
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx

@@ -8,7 +8,9 @@ the machine the bench runs on:
   (``values``), or returns the output ObjectRefs at once (``refs``, which is
   what "refs only" means: the caller then fetches them from the hop, their
   owner). If even ``values`` is above a target, no design with an extra actor
-  on the call path can meet it.
+  on the call path can meet it. ``refs`` is B1's *one-hop floor*, a regular
+  row of every run (``bench.cases._b1``), not a what-if: B1's target is
+  stated against it.
 - ``direct_*`` call the twinkle_ray gang's own worker actors straight from the
   driver (the worker's ``run``/``run_value`` as the dispatcher would call them,
   the pure ``collect``), i.e. a gang whose dispatcher stays the

@@ -2,7 +2,8 @@
 
 The bench starts its own Ray in a subprocess, so the session Ray of the other
 tests is untouched. What is checked is correctness: every benchmark produced
-positive timings and ratios, and B4's payload (traced by unpickling) reached
+positive timings and ratios (B1 also against the one-hop floor, B6 also its
+per-worker slopes), and B4's payload (traced by unpickling) reached
 the consumer workers only -- 0 bytes through the driver or a dispatcher --
 while the tracer's self-check proves it would have seen a driver fetch.
 """
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # the bench package lives at the repo root, not installed
+    sys.path.insert(0, str(ROOT))
 
 
 @pytest.fixture(scope="module")
@@ -39,19 +42,77 @@ def _rows(report: dict, prefix: str) -> list[dict]:
     return [r for r in report["results"] if r["name"].startswith(prefix) and not r.get("whatif")]
 
 
+def _positive(row: dict, *keys: str) -> None:
+    for key in keys:
+        assert isinstance(row[key], float) and math.isfinite(row[key]) and row[key] > 0, (row["name"], key)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(660)
 def test_quick_bench_reports_every_benchmark(report):
     assert report["mode"] == "quick"
-    for prefix, count in (("B1", 2), ("B2", 1), ("B3", 1), ("B4", 1), ("B5", 1), ("B6", 4)):
-        rows = _rows(report, prefix)
-        assert len(rows) == count, (prefix, [r["name"] for r in rows])
+    b1 = _rows(report, "B1")
+    floor = [r for r in b1 if r.get("floor")]
+    b1 = [r for r in b1 if not r.get("floor")]
+    b6 = [r for r in _rows(report, "B6") if not r.get("slope")]
+    for rows, count in ((b1, 2), (_rows(report, "B2"), 1), (_rows(report, "B3"), 1),
+                        (_rows(report, "B4"), 1), (_rows(report, "B5"), 1), (b6, 4)):
+        assert len(rows) == count, [r["name"] for r in rows]
         for r in rows:
-            for key in ("twinkle_s", "raw_s", "ratio"):
-                assert isinstance(r[key], float) and math.isfinite(r[key]) and r[key] > 0, (r["name"], key)
-    assert [r["workers"] for r in _rows(report, "B6")] == [1, 2, 4, 8]  # 16 in the full run
+            _positive(r, "twinkle_s", "raw_s", "ratio")
+            if not r.get("workers"):
+                assert r["target"] and r["checks"], r["name"]
+    # the one-hop floor is a regular row, and each B1 row has its ratio to it
+    assert len(floor) == 1
+    _positive(floor[0], "floor_s", "raw_s", "ratio")
+    for r in b1:
+        _positive(r, "floor_s", "floor_ratio")
+        assert r["floor_s"] == floor[0]["floor_s"]  # one rotation: the same floor samples
+    assert [r["workers"] for r in b6] == [1, 2, 4, 8]  # 16 in the full run
+    [slope] = [r for r in _rows(report, "B6") if r.get("slope")]
+    assert slope["workers_fitted"] == [1, 2, 4, 8]
+    for key in ("twinkle_ms_per_worker", "raw_ms_per_worker", "extra_ms_per_worker"):
+        assert math.isfinite(slope[key]), key
+    assert slope["extra_ms_per_worker"] == pytest.approx(
+        slope["twinkle_ms_per_worker"] - slope["raw_ms_per_worker"])
     b2 = _rows(report, "B2")[0]
     assert b2["twinkle_calls_per_s"] > 0 and b2["raw_calls_per_s"] > 0
+
+
+def test_scaling_slope_is_least_squares_per_worker():
+    from bench.cases import scaling_slope
+
+    rows = [{"workers": n, "twinkle_s": (3.0 + 0.5 * n) / 1000, "raw_s": (1.0 + 0.25 * n) / 1000}
+            for n in (1, 2, 4, 8)]
+    got = scaling_slope(rows)
+    assert got["twinkle_ms_per_worker"] == pytest.approx(0.5)
+    assert got["raw_ms_per_worker"] == pytest.approx(0.25)
+    assert got["extra_ms_per_worker"] == pytest.approx(0.25)
+
+
+def test_table_marks_targets():
+    from bench.run import table
+
+    b1 = {"name": "B1 x", "unit": "ms", "twinkle_s": 0.005, "raw_s": 0.004, "ratio": 1.25,
+          "floor_s": 0.006, "floor_ratio": 0.83, "target": "t1", "checks": [["floor_ratio", "<=", 1.0]],
+          "stretch": [["ratio", "<=", 1.5]]}
+    floor = {"name": "B1 floor", "unit": "ms", "floor": True, "floor_s": 0.006, "raw_s": 0.004,
+             "ratio": 1.5}
+    b2 = {"name": "B2 x", "unit": "s", "twinkle_s": 1.0, "raw_s": 0.5, "ratio": 2.0,
+          "twinkle_calls_per_s": 100.0, "raw_calls_per_s": 200.0, "throughput_ratio": 0.5,
+          "target": "t2", "checks": [["throughput_ratio", ">=", 0.8]]}
+    b6 = [{"name": f"B6 {n}", "workers": n, "twinkle_s": 0.001 * n, "raw_s": 0.001 * n, "ratio": 1.0}
+          for n in (1, 2)]
+    slope = {"name": "B6 slope", "slope": True, "workers_fitted": [1, 2], "twinkle_ms_per_worker": 1.0,
+             "raw_ms_per_worker": 1.0, "extra_ms_per_worker": 0.0, "target": "t6",
+             "checks": [["extra_ms_per_worker", "<=", 0.25]]}
+    text = table({"mode": "quick", "machine": {"cpus": 2, "ray": "x"}, "wall_s": 1.0,
+                  "results": [b1, floor, b2, *b6, slope]})
+    lines = text.splitlines()
+    assert any("B1 x" in ln and "0.83x" in ln and "ok" in ln and "stretch ok" in ln for ln in lines)
+    assert any("B1 floor" in ln and "6.00 ms" in ln for ln in lines)
+    assert any("B2 x" in ln and "MISS (t2)" in ln for ln in lines)
+    assert any("slope" in ln and "0.000 ms per additional worker" in ln and "ok" in ln for ln in lines)
 
 
 @pytest.mark.slow

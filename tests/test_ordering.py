@@ -1,0 +1,120 @@
+"""Total order: concurrent callers of one gang never mix their collectives.
+
+Three callers share a 2-worker gloo gang at the same time -- two driver
+threads (on one proxy) and a proxy pickled into another gang's worker -- and
+each makes many lazy calls before collecting any. Every call all-reduces a
+value that encodes (caller, call number). A call is unmixed when every rank
+reduced exactly that call's value with the other rank (``2 * code``); if the
+ranks ever took two calls in different orders, their all_reduce would pair
+different calls and the sums would show it. Each worker also numbers the calls
+it runs: both ranks must give a call the same number (one order for the whole
+gang), every call runs exactly once, and each caller's calls run in the order
+it made them.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+
+from twinkle_ray import DeviceGroup, remote_class, remote_function
+
+CALLS = 50  # per caller
+DRIVER_THREADS = (1, 2)  # caller ids of the two driver threads
+IN_WORKER = 3  # caller id of the proxy inside another gang's worker
+
+
+def code(caller: int, n: int) -> int:
+    return caller * 1000 + n
+
+
+@remote_class()
+class Reducer:
+    """2 ranks, gloo: each call all-reduces its code and notes its place in this rank's order."""
+
+    def __init__(self):
+        self.seq = 0
+
+    @remote_function(dispatch="all", collect="none")
+    def reduce(self, value: int) -> dict:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t)
+        seq, self.seq = self.seq, self.seq + 1
+        return {"rank": dist.get_rank(), "seq": seq, "sum": int(t.item())}
+
+
+@remote_class(distributed=False)
+class Caller:
+    """A worker of another gang that calls the Reducer gang through a pickled proxy."""
+
+    @remote_function(dispatch="all", collect="first")
+    def drive(self, gang, caller: int, calls: int) -> list:
+        pending = [gang.reduce(code(caller, n)) for n in range(calls)]  # all in flight first
+        return [p.get() for p in pending]
+
+
+def _check(caller: int, results: list) -> list[int]:
+    """Every call of ``caller`` unmixed; return its calls' positions in the gang's order."""
+    assert len(results) == CALLS
+    seqs = []
+    for n, per_rank in enumerate(results):
+        assert [r["rank"] for r in per_rank] == [0, 1], (caller, n, per_rank)
+        assert [r["sum"] for r in per_rank] == [2 * code(caller, n)] * 2, (
+            f"caller {caller} call {n} was mixed with another call: {per_rank}")
+        rank_seqs = {r["seq"] for r in per_rank}
+        assert len(rank_seqs) == 1, f"ranks ran caller {caller} call {n} at different places: {per_rank}"
+        seqs.append(rank_seqs.pop())
+    assert seqs == sorted(seqs), f"caller {caller}'s calls ran out of order: {seqs}"
+    return seqs
+
+
+@pytest.mark.timeout(180)
+def test_concurrent_callers_get_one_total_order(runtime):
+    runtime.initialize(groups=[DeviceGroup("ord", 2, "cpu"), DeviceGroup("ord_caller", 1, "cpu")])
+    gang = Reducer(remote_group="ord")
+    caller = Caller(remote_group="ord_caller")
+    assert gang.reduce(0).get() == [{"rank": r, "seq": 0, "sum": 0} for r in (0, 1)]  # warm: gloo up, order starts at 1
+
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(DRIVER_THREADS) + 1)
+
+    def drive(cid: int) -> None:
+        try:
+            start.wait(timeout=60)
+            pending = []
+            for n in range(CALLS):
+                pending.append(gang.reduce(code(cid, n)))
+                time.sleep(0)  # let the other thread in between any two calls
+            results[cid] = [p.get() for p in pending]
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=drive, args=(cid,)) for cid in DRIVER_THREADS]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads switch often, also inside one call's submission
+    try:
+        for t in threads:
+            t.start()
+        inner = caller.drive(gang, IN_WORKER, CALLS)  # lazy: runs while the threads call
+        start.wait(timeout=60)
+        results[IN_WORKER] = inner.get()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(switch)
+    assert not any(t.is_alive() for t in threads), "a driver thread did not finish"
+    if errors:
+        raise errors[0]
+
+    seqs = [s for cid in (*DRIVER_THREADS, IN_WORKER) for s in _check(cid, results[cid])]
+    total = CALLS * (len(DRIVER_THREADS) + 1)
+    assert sorted(seqs) == list(range(1, total + 1)), "every call runs exactly once"
+    gang.close()
+    caller.close()
