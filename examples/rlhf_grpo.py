@@ -27,10 +27,24 @@ metrics.
     python examples/rlhf_grpo.py                 # 100 steps, embedded Ray
     python examples/rlhf_grpo.py --quick         # 20 steps, larger learning rate
     python examples/rlhf_grpo.py --ray-data      # prompts from a Ray Data dataset
+    python examples/rlhf_grpo.py --chaos         # SIGKILL a trainer/sampler worker every 5 steps
     ray job submit --working-dir . -- python examples/rlhf_grpo.py   # on a cluster
 
 It prints one line per step and the reward curve at the end (text, and a
 PNG when matplotlib is installed).
+
+``--chaos`` runs the same loop with ``max_restarts`` on the trainer and
+sampler gangs and SIGKILLs a random worker of one of them at a random moment
+of every ``--kill-every``-th step (seeded by ``--seed``). The dispatcher
+rebuilds the gang by itself and restores the trainer's last ``save_state()``
+(model, optimizer, version); the driver re-syncs the weights and redoes the
+step with the same batch, so every step finishes. The policy's weights carry
+a version (a buffer, so it travels with ``save_state`` and the weight sync):
+the trainer refuses rollouts sampled with other weights than its own, which
+makes "was this step applied?" an exact question after any kill. The last
+line is ``chaos: N steps, K kills, K recoveries, max recovery X.Xs, reward A
+-> B``; the exit status is 0 only if every step finished, every kill was
+recovered from and the reward rose.
 """
 
 from __future__ import annotations
@@ -38,15 +52,19 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import random
+import signal
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 import twinkle_ray as twinkle
-from twinkle_ray import DeviceGroup, DeviceMesh, remote_class, remote_function
+from twinkle_ray import DeviceGroup, DeviceMesh, WorkerDiedError, remote_class, remote_function
 from twinkle_ray.data import DataLoader
 from twinkle_ray.weights import WeightSyncMixin, sync_weights
 
@@ -73,6 +91,9 @@ class Policy(torch.nn.Module):
             torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
             torch.nn.Linear(hidden, VOCAB),
         )
+        # Updates these weights have had: saved and synced with them, so a sampler's rollouts say
+        # which weights made them (the trainer applies only rollouts of its own version).
+        self.register_buffer("version", torch.zeros((), dtype=torch.long))
 
     def forward(self, prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
         """Log-probabilities [N, LENGTH, VOCAB] of every answer position (teacher-forced)."""
@@ -104,6 +125,7 @@ class Sampler(WeightSyncMixin):
 
     def __init__(self, device_mesh: DeviceMesh, group_size: int, seed: int):
         self.model = Policy().eval()
+        self.model.version.fill_(-1)  # no weights synced yet
         self.group_size = group_size
         self.gen = torch.Generator().manual_seed(seed * 1000 + twinkle.get_rank())
 
@@ -111,7 +133,8 @@ class Sampler(WeightSyncMixin):
     def generate(self, prompts: list) -> dict:
         p = torch.tensor(prompts, dtype=torch.long).repeat_interleave(self.group_size, dim=0)
         answers, logp = self.model.generate(p, self.gen)
-        return {"prompt": p.numpy(), "answer": answers.numpy(), "logp": logp.numpy()}
+        version = np.full(len(p), int(self.model.version))
+        return {"prompt": p.numpy(), "answer": answers.numpy(), "logp": logp.numpy(), "version": version}
 
 
 @remote_class()
@@ -143,9 +166,21 @@ class Trainer(WeightSyncMixin):
         self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.entropy_coef = entropy_coef
         self.clip = clip
+        self.last_metrics: dict = {}
 
     @remote_function(dispatch="slice_dp", collect="mean")
     def train_step(self, rollouts: dict, scores: dict) -> dict:
+        import torch.distributed as dist
+
+        version = int(self.model.version)
+        # Rollouts from other weights (a sampler rebuilt after a crash, or a trainer restored to an
+        # older state) are not applied; every rank decides alike, or DDP would wait for the others.
+        fresh = torch.tensor([int(bool((np.asarray(rollouts["version"]) == version).all()))])
+        if dist.is_initialized():
+            dist.all_reduce(fresh, op=dist.ReduceOp.MIN)
+        if not fresh.item():
+            return {"loss": 0.0, "entropy": 0.0, "reward": float(np.mean(scores["reward"])),
+                    "applied": 0.0, "version": float(version)}
         prompts = torch.tensor(rollouts["prompt"])
         answers = torch.tensor(rollouts["answer"])
         old_logp = torch.tensor(rollouts["logp"])
@@ -159,8 +194,39 @@ class Trainer(WeightSyncMixin):
         self.opt.zero_grad()
         loss.backward()  # DDP all-reduces the gradients over the gang here
         self.opt.step()
-        return {"loss": loss.item(), "entropy": entropy.item(),
-                "reward": float(np.mean(scores["reward"]))}
+        self.model.version += 1
+        self.last_metrics = {"loss": loss.item(), "entropy": entropy.item(),
+                             "reward": float(np.mean(scores["reward"])), "applied": 1.0,
+                             "version": float(version + 1)}
+        return self.last_metrics
+
+    @remote_function(dispatch="all", execute="first", collect="first")
+    def status(self) -> dict:
+        """Rank 0's weights version and the metrics of the update that made it."""
+        return {"version": int(self.model.version), "metrics": dict(self.last_metrics)}
+
+    # save_state() keeps these per rank; after a rebuild each new rank gets its own back.
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "metrics": self.last_metrics}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.last_metrics = dict(state["metrics"])
+
+
+# --chaos: the same classes, rebuilt by their dispatchers after a worker dies.
+CHAOS_MAX_RESTARTS = 1000
+
+
+@remote_class(max_restarts=CHAOS_MAX_RESTARTS)
+class ChaosSampler(Sampler):
+    """Sampler whose gang is rebuilt automatically (its weights come back with the next sync)."""
+
+
+@remote_class(max_restarts=CHAOS_MAX_RESTARTS)
+class ChaosTrainer(Trainer):
+    """Trainer whose gang is rebuilt automatically with the state of its last save_state()."""
 
 
 def groups() -> list[DeviceGroup]:
@@ -189,13 +255,9 @@ def prompts_of(rows: list[dict]) -> list:
     return [r["prompt"] for r in rows]
 
 
-def run(steps: int = 100, *, lr: float = 0.005, batch_size: int = 16, group_size: int = 8,
-        entropy_coef: float = 0.05, seed: int = 0, num_prompts: int = 4096, ray_data: bool = False,
-        log=print) -> dict:
-    """Train for ``steps`` steps; returns {'rewards': [...], 'sync': [SyncStats...], 'seconds': s}.
-
-    Needs ``twinkle.initialize`` (with :func:`groups`) first.
-    """
+def build(*, lr: float, batch_size: int, group_size: int, entropy_coef: float, seed: int,
+          num_prompts: int, ray_data: bool, chaos: bool = False):
+    """The four gangs: (loader, sampler, reward, trainer); with ``chaos`` the self-rebuilding ones."""
     sampler_mesh = DeviceMesh.from_sizes(dp_size=2, device_type="cpu")
     trainer_mesh = DeviceMesh.from_sizes(dp_size=2, device_type="cpu")
     if ray_data:
@@ -204,9 +266,23 @@ def run(steps: int = 100, *, lr: float = 0.005, batch_size: int = 16, group_size
         source, collate = functools.partial(make_prompts, num_prompts, seed), None
     loader = DataLoader(source, batch_size=batch_size, device_mesh=sampler_mesh, shuffle=True, seed=seed,
                         collate_fn=collate, remote_group="data")
-    sampler = Sampler(sampler_mesh, group_size, seed, remote_group="sampler")
+    sampler_cls, trainer_cls = (ChaosSampler, ChaosTrainer) if chaos else (Sampler, Trainer)
+    sampler = sampler_cls(sampler_mesh, group_size, seed, remote_group="sampler")
     reward = Reward(group_size, remote_group="reward")
-    trainer = Trainer(trainer_mesh, lr, entropy_coef, remote_group="trainer")
+    trainer = trainer_cls(trainer_mesh, lr, entropy_coef, remote_group="trainer")
+    return loader, sampler, reward, trainer
+
+
+def run(steps: int = 100, *, lr: float = 0.005, batch_size: int = 16, group_size: int = 8,
+        entropy_coef: float = 0.05, seed: int = 0, num_prompts: int = 4096, ray_data: bool = False,
+        log=print) -> dict:
+    """Train for ``steps`` steps; returns {'rewards': [...], 'sync': [SyncStats...], 'seconds': s}.
+
+    Needs ``twinkle.initialize`` (with :func:`groups`) first.
+    """
+    loader, sampler, reward, trainer = build(
+        lr=lr, batch_size=batch_size, group_size=group_size, entropy_coef=entropy_coef, seed=seed,
+        num_prompts=num_prompts, ray_data=ray_data)
     first = sync_weights(trainer, sampler)  # sets up the trainer -> sampler group once
     log(f"weight sync set up: {first}")
 
@@ -222,10 +298,249 @@ def run(steps: int = 100, *, lr: float = 0.005, batch_size: int = 16, group_size
         stats = sync_weights(trainer, sampler)
         rewards.append(metrics["reward"])
         syncs.append(stats)
-        log(f"step {step:3d}/{steps}  reward {metrics['reward']:.3f}  loss {metrics['loss']:+.4f}  "
-            f"entropy {metrics['entropy']:.2f}  sync {stats.bytes / 1e6:.2f} MB {stats.seconds * 1e3:.1f} ms  "
-            f"step {time.perf_counter() - t0:.2f}s")
+        log(step_line(step, steps, metrics, stats, time.perf_counter() - t0))
     return {"rewards": rewards, "sync": syncs, "seconds": time.perf_counter() - start}
+
+
+def step_line(step: int, steps: int, metrics: dict, stats, seconds: float) -> str:
+    return (f"step {step:3d}/{steps}  reward {metrics['reward']:.3f}  loss {metrics['loss']:+.4f}  "
+            f"entropy {metrics['entropy']:.2f}  sync {stats.bytes / 1e6:.2f} MB {stats.seconds * 1e3:.1f} ms  "
+            f"step {seconds:.2f}s")
+
+
+# ------------------------------------------------------------------------------ --chaos
+SYNC_TIMEOUT_S = 60.0      # a weight sync whose other end died fails within this
+RESTART_TIMEOUT_S = 180.0  # one gang rebuild
+RECOVER_TIMEOUT_S = 300.0  # one recovery, however many tries it takes
+MAX_ATTEMPTS = 20          # tries of one step before the run gives up
+
+
+class StaleRollouts(RuntimeError):
+    """The trainer refused a batch sampled with other weights than its own."""
+
+
+@dataclass
+class Kill:
+    step: int           # the step whose start armed it (it may land in the next one)
+    gang: str
+    rank: int
+    pid: int
+    at: float           # time.monotonic() of the SIGKILL
+    verified: bool = False          # a recovery has run since (the driver knows where things stand)
+    recovered_s: float | None = None  # kill -> the first step completed after that recovery
+
+
+def is_ray_worker(pid: int) -> bool:
+    """Whether ``pid`` is (still) a Ray worker process: never SIGKILL a reused pid."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (macOS): trust the pid the dispatcher reported
+        return True
+    return b"ray::" in cmd or b"default_worker" in cmd
+
+
+class ChaosMonkey:
+    """SIGKILLs one worker of a random gang at a random moment of every ``every``-th step.
+
+    ``arm(step, window_s)`` picks the gang, rank and delay (uniform in
+    ``[0, window_s)``, about one step) from a seeded RNG and starts a timer;
+    the kill lands while calls are in flight or between them. While the
+    driver recovers it ``pause()``s the monkey: a due kill waits until
+    ``resume()``, so what a recovery finds is not changed under it.
+    """
+
+    def __init__(self, gangs: dict, every: int, seed: int, log=print):
+        self.gangs, self.every, self.log = gangs, every, log
+        self.rng = random.Random(seed)
+        self.kills: list[Kill] = []
+        self._cond = threading.Condition()
+        self._paused = False
+        self._closed = False
+        self._timer: threading.Thread | None = None
+
+    def arm(self, step: int, window_s: float) -> None:
+        if self.every <= 0 or step % self.every or (self._timer is not None and self._timer.is_alive()):
+            return
+        name = self.rng.choice(sorted(self.gangs))
+        ranks = self.gangs[name].topology()["ranks"]
+        rank = self.rng.randrange(len(ranks))
+        delay = self.rng.uniform(0.0, window_s)
+        self._timer = threading.Thread(target=self._kill, args=(step, name, rank, ranks[rank]["pid"], delay),
+                                       name="chaos-monkey", daemon=True)
+        self._timer.start()
+
+    def _kill(self, step: int, name: str, rank: int, pid: int, delay: float) -> None:
+        deadline = time.monotonic() + delay
+        with self._cond:
+            while not self._closed and (self._paused or time.monotonic() < deadline):
+                self._cond.wait(timeout=max(0.005, deadline - time.monotonic()) if not self._paused else None)
+            if self._closed:
+                return
+            if not pid or not is_ray_worker(pid):
+                self.log(f"chaos: {name} rank {rank} pid {pid} is not a live Ray worker; no kill")
+                return
+            at = time.monotonic()
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                return
+            self.kills.append(Kill(step, name, rank, pid, at))
+        self.log(f"chaos: SIGKILL {name} rank {rank} (pid {pid}), armed at step {step}")
+
+    def pause(self) -> list[Kill]:
+        """Hold further kills; returns the kills no recovery has looked at yet."""
+        with self._cond:
+            self._paused = True
+            return [k for k in self.kills if not k.verified]
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def unverified(self) -> list[Kill]:
+        with self._cond:
+            return [k for k in self.kills if not k.verified]
+
+    def settle(self, now: float) -> None:
+        """A step completed at ``now``: every verified kill not yet settled is recovered from."""
+        with self._cond:
+            for k in self.kills:
+                if k.verified and k.recovered_s is None:
+                    k.recovered_s = now - k.at
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._timer is not None:
+            self._timer.join(timeout=5)
+
+
+def short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:160] if text else ''}"
+
+
+def heal(gang) -> None:
+    """Rebuild ``gang`` if it is dead and not already being rebuilt (restart() awaits a rebuild under way)."""
+    try:
+        gang.check_health()
+    except Exception:  # WorkerDiedError (also while its dispatcher rebuilds it) or 'not running'
+        gang.restart(timeout=RESTART_TIMEOUT_S)
+
+
+def recover(trainer, sampler, step: int, log=print) -> tuple[dict, object]:
+    """Both gangs up, the trainer's version read, the weights synced; returns (status, sync stats).
+
+    Run with the monkey paused. If the trainer already holds step ``step``'s
+    update (version == step), it is saved again (a rebuilt gang restores it).
+    """
+    deadline = time.monotonic() + RECOVER_TIMEOUT_S
+    while True:
+        try:
+            heal(trainer)
+            heal(sampler)
+            status = trainer.status()()           # waits for a rebuild under way
+            if status["version"] == step:
+                trainer.save_state()
+            stats = sync_weights(trainer, sampler, timeout_s=SYNC_TIMEOUT_S)
+            return status, stats
+        except Exception as e:  # a gang that died again, a sync that met a rebuild: look again
+            if time.monotonic() > deadline:
+                raise
+            log(f"  recovery: {short(e)}; trying again")
+            time.sleep(0.5)
+
+
+def run_chaos(steps: int = 100, *, kill_every: int = 5, lr: float = 0.005, batch_size: int = 16,
+              group_size: int = 8, entropy_coef: float = 0.05, seed: int = 0, num_prompts: int = 4096,
+              ray_data: bool = False, log=print) -> dict:
+    """:func:`run` with a worker SIGKILLed every ``kill_every`` steps; every step still finishes.
+
+    One step: sample -> reward -> train -> ``trainer.save_state()`` -> weight
+    sync. After a failure, or after a kill that raised nothing, the driver
+    waits for both gangs (the dispatchers rebuild them; ``restart()`` if one
+    is dead and not rebuilding), reads the trainer's version and re-syncs the
+    weights: version == step means the step was applied and saved, version
+    == step - 1 means it is redone with the same batch.
+    """
+    loader, sampler, reward, trainer = build(
+        lr=lr, batch_size=batch_size, group_size=group_size, entropy_coef=entropy_coef, seed=seed,
+        num_prompts=num_prompts, ray_data=ray_data, chaos=True)
+    first = sync_weights(trainer, sampler, timeout_s=SYNC_TIMEOUT_S)
+    trainer.save_state()  # version 0: a rebuild before the first step starts from here
+    log(f"weight sync set up: {first}")
+    monkey = ChaosMonkey({"trainer": trainer, "sampler": sampler}, kill_every, seed, log=log)
+
+    rewards, syncs, clean_s, redone = [], [], [], 0
+    start = time.perf_counter()
+    batches = endless(loader)
+    try:
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            prompts = next(batches)  # kept for every try of this step
+            monkey.arm(step, float(np.median(clean_s[-10:])) if clean_s else 0.5)
+            for attempt in range(1, MAX_ATTEMPTS + 1):
+                ta = time.perf_counter()
+                metrics = stats = None
+                try:
+                    rollouts = sampler.generate(prompts)
+                    scores = reward.score(rollouts)
+                    out = trainer.train_step(rollouts, scores)()
+                    if out["applied"] < 1:
+                        raise StaleRollouts(f"trainer at version {out['version']:.0f} refused the rollouts")
+                    trainer.save_state()
+                    stats = sync_weights(trainer, sampler, timeout_s=SYNC_TIMEOUT_S)
+                    metrics = out
+                except Exception as e:
+                    # Deaths are expected here; anything else only right after a kill.
+                    if not isinstance(e, WorkerDiedError | StaleRollouts) and not monkey.unverified():
+                        raise
+                    log(f"  step {step} try {attempt}: {short(e)}")
+                kills = monkey.pause()
+                if metrics is not None and not kills:
+                    monkey.resume()
+                    clean_s.append(time.perf_counter() - ta)
+                    break
+                try:
+                    status, sync_stats = recover(trainer, sampler, step, log=log)
+                finally:
+                    for k in kills:
+                        k.verified = True
+                    monkey.resume()
+                if status["version"] == step:  # applied and saved: the step is done
+                    metrics = metrics or status["metrics"]
+                    stats = stats or sync_stats
+                    log(f"  step {step}: recovered, the update was kept (version {step})")
+                    break
+                if status["version"] != step - 1:
+                    raise RuntimeError(f"step {step}: trainer at version {status['version']}, "
+                                       f"expected {step - 1} or {step}")
+                redone += 1
+                log(f"  step {step}: recovered (trainer at version {step - 1}); redoing it")
+            else:
+                raise RuntimeError(f"step {step} did not finish in {MAX_ATTEMPTS} tries")
+            monkey.settle(time.monotonic())
+            rewards.append(metrics["reward"])
+            syncs.append(stats)
+            log(step_line(step, steps, metrics, stats, time.perf_counter() - t0))
+        # A kill armed in the last step may land after it: look once more.
+        kills = monkey.pause()
+        if kills:
+            status, _ = recover(trainer, sampler, steps, log=log)
+            for k in kills:
+                k.verified = True
+            if status["version"] != steps:
+                raise RuntimeError(f"after the last step the trainer is at version {status['version']}")
+            monkey.settle(time.monotonic())
+    finally:
+        monkey.close()
+    return {"rewards": rewards, "sync": syncs, "seconds": time.perf_counter() - start,
+            "kills": monkey.kills, "redone": redone}
 
 
 def reward_curve(rewards: list[float], window: int = 10, width: int = 40) -> str:
@@ -272,6 +587,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=None, help="learning rate (default 0.005; 0.01 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ray-data", action="store_true", help="feed prompts from a Ray Data dataset")
+    parser.add_argument("--chaos", action="store_true",
+                        help="SIGKILL a random trainer or sampler worker every --kill-every steps; "
+                             "the loop recovers and redoes the step")
+    parser.add_argument("--kill-every", type=int, default=5, help="with --chaos: steps between kills (default 5)")
     parser.add_argument("--plot", default=os.path.join(tempfile.gettempdir(), "rlhf_grpo_reward.png"),
                         help="where to save the PNG (when matplotlib is installed)")
     args = parser.parse_args(argv)
@@ -284,7 +603,10 @@ def main(argv: list[str] | None = None) -> int:
     twinkle.initialize("ray", groups=groups(), seed=args.seed, num_cpus=8)
     try:
         print(twinkle.get_device_placement())
-        out = run(steps, lr=lr, seed=args.seed, ray_data=args.ray_data)
+        if args.chaos:
+            out = run_chaos(steps, kill_every=args.kill_every, lr=lr, seed=args.seed, ray_data=args.ray_data)
+        else:
+            out = run(steps, lr=lr, seed=args.seed, ray_data=args.ray_data)
     finally:
         twinkle.shutdown()
     rewards = out["rewards"]
@@ -300,7 +622,25 @@ def main(argv: list[str] | None = None) -> int:
           f"{rate:.2f} GB/s ({syncs[-1].backend})")
     png = save_plot(rewards, args.plot)
     print(f"reward curve PNG: {png}" if png else "reward curve PNG: skipped (matplotlib is not installed)")
-    return 0
+    if not args.chaos:
+        return 0
+    return chaos_report(out, steps)
+
+
+def chaos_report(out: dict, steps: int) -> int:
+    """Print the kills and the final ``chaos:`` line; 0 if every step finished and the reward rose."""
+    rewards, kills = out["rewards"], out["kills"]
+    recovered = [k.recovered_s for k in kills if k.recovered_s is not None]
+    for k in kills:
+        took = f"{k.recovered_s:.1f}s" if k.recovered_s is not None else "not recovered"
+        print(f"  kill: {k.gang} rank {k.rank} (pid {k.pid}), armed at step {k.step}: recovered in {took}")
+    n = max(1, min(10, max(3, len(rewards) // 10), len(rewards) // 2))  # first/last 10% of steps
+    a, b = float(np.mean(rewards[:n])), float(np.mean(rewards[-n:]))
+    print(f"steps redone: {out['redone']}; reward A/B = mean of the first/last {n} steps")
+    print(f"chaos: {len(rewards)} steps, {len(kills)} kills, {len(recovered)} recoveries, "
+          f"max recovery {max(recovered, default=0.0):.1f}s, reward {a:.3f} -> {b:.3f}")
+    ok = len(rewards) == steps and len(recovered) == len(kills) and b > a
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""The GRPO example learns: examples/rlhf_grpo.py --quick, run through the session's Ray."""
+"""The GRPO example learns: examples/rlhf_grpo.py --quick, run through the session's Ray;
+and with --chaos (workers SIGKILLed every few steps) as its own Ray driver, still learning."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -45,6 +48,41 @@ def test_grpo_example_quick_run_learns(ray_session, capsys, tmp_path):
     assert "reward curve" in out and "weight sync:" in out
     actors, pgs = leftovers()
     assert not actors and not pgs, (actors, pgs)
+
+
+CHAOS_LINE = re.compile(
+    r"^chaos: (\d+) steps, (\d+) kills, (\d+) recoveries, max recovery ([0-9.]+)s, "
+    r"reward ([0-9.]+) -> ([0-9.]+)$", re.M)
+
+
+@pytest.mark.slow
+def test_grpo_example_survives_chaos(tmp_path, capsys):
+    """SIGKILL a trainer or sampler worker every 4 steps: every step finishes, every kill is
+    recovered from (rebuild + restored trainer state + weight re-sync), the reward still rises."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    steps = 16
+    cmd = [sys.executable, str(EXAMPLE), "--chaos", "--quick", "--steps", str(steps), "--kill-every", "4",
+           "--seed", "1", "--plot", str(tmp_path / "reward.png")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env,
+                          cwd=EXAMPLE.parent.parent)
+    out = proc.stdout
+    m = CHAOS_LINE.search(out)
+    assert m, out[-4000:] + proc.stderr[-4000:]
+    assert out.rstrip().splitlines()[-1] == m.group(0)  # the last line
+    n, kills, recoveries = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    max_recovery, first, last = float(m.group(4)), float(m.group(5)), float(m.group(6))
+    with capsys.disabled():
+        print(f"\n{m.group(0)}")
+    assert n == steps, out[-4000:]
+    assert kills >= 2, out[-4000:]
+    assert recoveries == kills, out[-4000:]
+    assert 0 < max_recovery < 300
+    assert last > first, out[-4000:]
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
+    # Every step line is there, in order, and every kill was logged when it was sent.
+    assert [int(x) for x in re.findall(r"^step +(\d+)/\d+ ", out, re.M)] == list(range(1, steps + 1))
+    assert len(re.findall(r"^chaos: SIGKILL (trainer|sampler) rank \d", out, re.M)) == kills
 
 
 def test_reward_and_policy_shapes():
