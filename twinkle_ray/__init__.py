@@ -24,7 +24,7 @@ Example::
 """
 
 from .context import get_rank, get_world_size
-from .errors import CallTimeoutError, PlacementError, WorkerDiedError
+from .errors import CallTimeoutError, GangStuckError, PlacementError, WorkerDiedError
 from .group import DeviceGroup
 from .mesh import DeviceMesh
 from .remote import remote_class, remote_function
@@ -44,6 +44,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "CallTimeoutError",
+    "GangStuckError",
     "DeviceGroup",
     "DeviceMesh",
     "LazyResult",

@@ -1,13 +1,20 @@
 """The dispatcher actor: one per gang, async, refs only.
 
 It creates and owns the gang's workers (so they die with it), starts
-torch.distributed among them, routes each call's LazyResult arguments by data
-rank (awaiting only the producers' tiny length records, never their payload),
-submits the worker tasks and returns their ObjectRefs without waiting for
-them. A watch task per worker tells it within milliseconds when one dies; it
-then kills the rest (survivors are never trusted inside a collective), keeps
-the first death's record for the caller, and rebuilds the gang on
-``restart()`` or automatically up to ``max_restarts`` times.
+torch.distributed among them, and is the gang's sequencer: every caller's
+calls reach every rank in one order. It routes each call's LazyResult
+arguments without waiting for anything: consumer workers get the producers'
+length records as top-level task arguments (Ray resolves them before the
+task runs) and pull only the producer refs that cover their slice. It
+submits the worker tasks and returns their ObjectRefs at once.
+
+Failures: a watch task per worker tells it within milliseconds when one
+dies; a worker whose call raised reports it, and ranks of that call still
+running ``stuck_grace_s`` later are presumed stuck in a collective. Either
+way the gang is torn down whole (survivors are never trusted inside a
+collective), the first error is kept for callers, and the gang is rebuilt on
+``restart()`` or automatically up to ``max_restarts`` times, with the state
+last saved by ``save_state()`` restored on every rank before the next call.
 
 Example (what GangProxy does)::
 
@@ -25,16 +32,17 @@ from typing import Any
 
 import ray
 
-from .errors import WorkerDiedError, describe_actor_death
+from .errors import GangStuckError, WorkerDiedError, describe_actor_death
 from .group import DeviceGroup
-from .lazy import END_OF_ITERATION, CallOutput, Collected, LazyResult, Pieces
+from .lazy import END_OF_ITERATION, CallOutput, Collected, LazyResult, Pieces, Window
 from .placement import BundleSlot
-from .routing import locate, peer_workers, windows
+from .routing import peer_workers
 from .worker import WorkerInfo, make_worker
 
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 2.0
+PROGRESS_QUERY_S = 5.0  # how long the stuck check waits for a worker to say what it is running
 TURN_WAIT_S = 60.0  # how long a call waits for its caller's previous call to arrive
 
 
@@ -56,6 +64,7 @@ class GangSpec:
     seed: int | None = 42
     namespace: str | None = None
     max_restarts: int = 0
+    stuck_grace_s: float | None = 3.0  # None: never presume ranks stuck after a failure
     env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -80,6 +89,10 @@ class Dispatcher:
         self._turn_changed = asyncio.Condition()
         self._watch_task: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
+        self._suspect: asyncio.Task | None = None  # a stuck check after a reported failure
+        self.seq = 0  # calls submitted (all callers, all generations): the gang's one order
+        self.saved: list | None = None  # per rank: last saved state (ObjectRef) or its file
+        self.pids: list[int] = []
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> dict:
@@ -91,6 +104,9 @@ class Dispatcher:
         node_rank: dict[str, int] = {}
         for s in spec.slots:
             node_rank.setdefault(s.node_id, len(node_rank))
+        # One node: the rendezvous is reached over loopback, nothing else needs to see it.
+        master_addr = "127.0.0.1" if len(node_rank) == 1 else spec.slots[0].node_ip
+        me = ray.get_runtime_context().current_actor
         infos = []
         for rank, s in enumerate(spec.slots):
             same_node = [r for r, t in enumerate(spec.slots) if t.node_id == s.node_id]
@@ -105,11 +121,13 @@ class Dispatcher:
                     local_rank=same_node.index(rank),
                     local_world_size=len(same_node),
                     node_rank=node_rank[s.node_id],
-                    master_addr=spec.slots[0].node_ip,
+                    master_addr=master_addr,
                     devices=s.devices,
                     visible_devices_env=g.visible_devices_env,
                     kind=g.kind,
                     env={**g.env, **spec.env},
+                    dispatcher=me,
+                    generation=gen,
                 )
             )
         self.names = [info.name for info in infos]
@@ -134,7 +152,11 @@ class Dispatcher:
                 )
                 for w in self.workers
             ]
-            backends = await _all_or_first_error(starts)
+            started = await _all_or_first_error(starts)
+            if self.saved is not None:  # a rebuild: every rank gets its last saved state back
+                await _all_or_first_error(
+                    [w.load_state.remote(st) for w, st in zip(self.workers, self.saved, strict=True)]
+                )
         except Exception as e:
             await self._kill_workers()
             rank = getattr(e, "_twinkle_rank", None)
@@ -143,7 +165,8 @@ class Dispatcher:
                 + (f" (rank {rank})" if rank is not None else "")
                 + f": {_cause_text(e)}"
             ) from None
-        self.backend = backends[0]
+        self.backend = started[0][0]
+        self.pids = [pid for _, pid in started]
         self.dead = None
         self._watch_task = asyncio.ensure_future(self._watch(gen, list(self.workers)))
         return self.describe()
@@ -197,19 +220,85 @@ class Dispatcher:
         rank, exc = next(iter(done)).result()
         node, cause = describe_actor_death(str(exc)) if exc else (None, "watch ended")
         node = node or self.spec.slots[rank].node_ip
-        self.dead = self.last_death = WorkerDiedError(
-            self.spec.group.name, self.spec.cls_name, rank, node, cause
-        )
-        logger.warning("%s", self.dead)
+        await self._fail(WorkerDiedError(self.spec.group.name, self.spec.cls_name, rank, node, cause))
+
+    async def _fail(self, error: WorkerDiedError) -> None:
+        """The gang is broken: keep ``error`` for callers, tear it down whole, rebuild if allowed."""
+        self.dead = self.last_death = error
+        logger.warning("%s", error)
         if self.restarts < self.spec.max_restarts and not self.stopped:
             self.restarts += 1
             self._restart_task = asyncio.ensure_future(self._kill_and_start())
         else:
             await self._kill_workers()
 
+    async def report_failure(self, gen: int, seq: int, rank: int, method: str, cause: str) -> None:
+        """A worker's call raised. Unless a check is already running, look again after the grace
+        period: ranks still inside that call (or an earlier one) are stuck, and the gang goes."""
+        grace = self.spec.stuck_grace_s
+        if grace is None or gen != self.generation or self.stopped:
+            return
+        if self._suspect is None or self._suspect.done():
+            self._suspect = asyncio.ensure_future(self._check_stuck(gen, seq, rank, method, cause, grace))
+
+    async def _check_stuck(self, gen, seq, rank, method, cause, grace) -> None:
+        await asyncio.sleep(grace)
+        if gen != self.generation or self.stopped:
+            return
+        workers = list(self.workers)
+        asks = [asyncio.ensure_future(_quiet(w.progress.remote())) for w in workers]
+        done, _ = await asyncio.wait(asks, timeout=PROGRESS_QUERY_S)
+        stuck = []
+        for r, t in enumerate(asks):
+            current = t.result() if t in done else seq  # no answer in time: as good as stuck
+            if current is not None and current <= seq:
+                stuck.append(r)
+        if stuck and gen == self.generation and not self.stopped:
+            await self._fail(GangStuckError(self.spec.group.name, self.spec.cls_name, rank, stuck,
+                                            method, cause, grace))
+
+    async def abort(self, reason: str, ranks: list[int] | None = None) -> bool:
+        """Tear the gang down because a collective it is in cannot complete (e.g. a weight sync
+        whose other end failed). Returns False if the gang was not running."""
+        if not self.workers or self.dead is not None:
+            return False
+        stuck = list(range(len(self.workers))) if ranks is None else list(ranks)
+        await self._fail(GangStuckError(self.spec.group.name, self.spec.cls_name, None, stuck,
+                                        "a collective with another gang", reason, 0))
+        return True
+
     async def _kill_and_start(self) -> dict:
         await self._kill_workers()
         return await self.start()
+
+    async def _running_workers(self) -> list:
+        """The workers once the gang can take a call: after a pending stuck check or rebuild;
+        raises the gang's error when it is broken."""
+        if self._suspect is not None and not self._suspect.done():
+            await asyncio.shield(self._suspect)  # a failure was reported: were peers left stuck?
+        if self._restart_task is not None and not self._restart_task.done():
+            await asyncio.shield(self._restart_task)  # an automatic rebuild is under way
+        if self.dead is not None:
+            raise self.dead
+        if not self.workers:
+            raise RuntimeError(f"gang {self.spec.label} is not running (stopped)")
+        return self.workers
+
+    async def save_state(self, path: str | None = None, turn: tuple[str, int] | None = None) -> int:
+        """Keep every rank's ``state_dict()`` (ObjectRefs this actor owns, or files under
+        ``path``) for the restore after a rebuild. Taken in call order; returns the rank count."""
+        if turn is not None:
+            await self._wait_turn(*turn)
+        try:
+            workers = await self._running_workers()
+            self.seq += 1
+            outs = [w.save_state.options(num_returns=2).remote(path) for w in workers]
+        finally:
+            if turn is not None:
+                await self._end_turn(turn[0])
+        await _all_or_first_error([ok for _, ok in outs])  # tiny flags; the states stay put
+        self.saved = [state for state, _ in outs]
+        return len(outs)
 
     async def death(self, wait_s: float = 2.0) -> WorkerDiedError | None:
         """The first death seen (kept across restarts); waits briefly for the watcher to record one."""
@@ -253,10 +342,12 @@ class Dispatcher:
             "generation": self.generation,
             "restarts": self.restarts,
             "dead": str(self.dead) if self.dead else None,
+            "saved_state": self.saved is not None,
             "ranks": [
                 {
                     "rank": r,
                     "name": self.names[r] if r < len(self.names) else None,
+                    "pid": self.pids[r] if r < len(self.pids) else None,
                     "bundle": s.bundle_index,
                     "node_ip": s.node_ip,
                     "node_id": s.node_id,
@@ -284,24 +375,18 @@ class Dispatcher:
         split them (plain values and ObjectRefs); LazyResult arguments in it are
         routed here. ``turn`` = (caller id, sequence number): Ray may start an
         async actor's tasks out of order, so each caller's calls are taken
-        strictly in the order it made them. That keeps per-worker order, and
-        since a producer call is always made before its consumers, waiting
-        for routed producers can never form a cycle. ``wait_meta`` waits for
-        the outputs' length records (iteration uses it to see StopIteration).
-        ``collect`` names the caller's collect mode (None: unknown); outputs get
-        a length record only when routing them may slice by length (each record
-        is one more ObjectRef the caller borrows: see BENCHMARKS.md, B6).
+        strictly in the order it made them, and every rank gets the calls of
+        all callers in the one order they are submitted here. ``wait_meta``
+        waits for the outputs' length records (iteration uses it to see
+        StopIteration). ``collect`` names the caller's collect mode (None:
+        unknown); outputs get a length record only when routing them may slice
+        by length (each record is one more ObjectRef the caller borrows).
         """
         if turn is not None:
             await self._wait_turn(*turn)
         try:
-            if self._restart_task is not None and not self._restart_task.done():
-                await asyncio.shield(self._restart_task)  # an automatic rebuild is under way
-            if self.dead is not None:
-                raise self.dead
-            if not self.workers:
-                raise RuntimeError(f"gang {self.spec.label} is not running (stopped)")
-            n = len(self.workers)
+            workers = await self._running_workers()
+            n = len(workers)
             if execute == "first":
                 targets = [0]
             elif execute == "peer" and caller is not None:
@@ -309,19 +394,22 @@ class Dispatcher:
             else:
                 targets = list(range(n))
             routes: dict[int, list] = {}
+            lengths: list = []  # producers' length records: leading arguments of every task
             refs, metas = [], []
-            lengths = wait_meta or _needs_lengths(collect, len(targets))
+            with_meta = wait_meta or _needs_lengths(collect, len(targets))
+            self.seq += 1
             for i in targets:
                 args, kwargs = per_worker[i] if len(per_worker) > 1 else per_worker[0]
                 if _has_lazy(args, kwargs):
-                    args, kwargs = await self._route(method, args, kwargs, i, dispatch, routes)
-                if lengths:
-                    payload, meta = self.workers[i].run.options(num_returns=2).remote(
-                        method, *args, **kwargs
+                    args, kwargs = await self._route(method, args, kwargs, i, dispatch, routes, lengths)
+                head = (method, self.seq, len(lengths))
+                if with_meta:
+                    payload, meta = workers[i].run.options(num_returns=2).remote(
+                        head, *lengths, *args, **kwargs
                     )
                     metas.append(meta)
                 else:
-                    payload = self.workers[i].run_value.remote(method, *args, **kwargs)
+                    payload = workers[i].run_value.remote(head, *lengths, *args, **kwargs)
                 refs.append(payload)
         finally:
             if turn is not None:
@@ -349,56 +437,54 @@ class Dispatcher:
             self._turns[caller] = self._turns.get(caller, 0) + 1
             self._turn_changed.notify_all()
 
-    async def _route(self, method, args, kwargs, i, dispatch, routes):
+    async def _route(self, method, args, kwargs, i, dispatch, routes, lengths):
         async def one(v):
             if not isinstance(v, LazyResult):
                 return v
             key = id(v)
             if key not in routes:
-                routes[key] = await self._plan_route(method, v, dispatch)
+                routes[key] = await self._plan_route(method, v, dispatch, lengths)
             return routes[key][i]
 
         new_args = tuple([await one(a) for a in args])
         new_kwargs = {k: await one(v) for k, v in kwargs.items()}
         return new_args, new_kwargs
 
-    async def _plan_route(self, method: str, lazy: LazyResult, dispatch: Any) -> list:
-        """One routed marker per worker of this gang for the LazyResult ``lazy``."""
+    async def _plan_route(self, method: str, lazy: LazyResult, dispatch: Any, lengths: list) -> list:
+        """One routed marker per worker of this gang for the LazyResult ``lazy``.
+
+        Waits for nothing but the producer's plan (its dispatcher returns that at
+        once): when the consumer slices by length, the producer's length records
+        are appended to ``lengths`` (the tasks' leading arguments) and each worker
+        computes its own window from them.
+        """
         out = lazy._out if lazy._out is not None else await lazy._plan_ref
         n = len(self.workers)
         mode = lazy.collect
-        slicing = dispatch in ("slice", "slice_dp")
-        if mode in ("flatten", "none", "first"):
-            refs = out.refs[:1] if mode == "first" else list(out.refs)
-            as_list = mode == "none" and len(refs) > 1
-            if not slicing:
-                return [Pieces(refs, [None] * len(refs), as_list)] * n
-            if as_list:
-                lengths = [1] * len(refs)
-            else:
-                metas = out.metas[:1] if mode == "first" else out.metas
-                lengths = await asyncio.gather(*metas)
-                if any(not isinstance(x, int) for x in lengths):  # not sliceable: replicate
-                    return [Pieces(refs, [None] * len(refs), as_list)] * n
-            total = sum(lengths)
-            wins = windows(
-                dispatch, total, n, mesh=self.spec.mesh, gpus_per_worker=self.spec.group.gpus_per_worker
-            )
-            needed = len(set(wins))
-            if total < needed:
-                raise ValueError(
-                    f"{method}() on group '{self.spec.group.name}': batch of {total} items (from "
-                    f"{lazy.gang.cls_name}.{lazy.method}) is smaller than the data-parallel size {needed}"
-                )
-            routed = []
-            for start, stop in wins:
-                pieces = locate(lengths, start, stop)
-                routed.append(Pieces([refs[k] for k, _ in pieces], [w for _, w in pieces], as_list))
-            return routed
-        whole = Collected(
-            list(out.refs), mode, list(out.workers), lazy.gang.mesh, lazy.gang.gpus_per_worker
-        )
-        return [whole] * n
+        producer = lazy.gang
+        if mode not in ("flatten", "none", "first"):
+            whole = Collected(list(out.refs), mode, list(out.workers), producer.mesh,
+                              producer.gpus_per_worker, producer, lazy.method)
+            return [whole] * n
+        k = 1 if mode == "first" else len(out.refs)
+        refs, ranks = list(out.refs[:k]), list(out.workers[:k])
+        as_list = mode == "none" and k > 1
+        common = dict(as_list=as_list, producer=producer, method=lazy.method, ranks=ranks)
+        if dispatch not in ("slice", "slice_dp"):
+            return [Pieces(refs, **common)] * n
+        if as_list:
+            slots, const = None, [1] * k
+        else:
+            slots, const = (len(lengths), len(lengths) + k), None
+            lengths.extend(out.metas[:k])
+        g = self.spec.group
+        return [
+            Pieces(refs, **common, length_slots=slots, const_lengths=const,
+                   window=Window(dispatch, n, i, self.spec.mesh, g.gpus_per_worker,
+                                 where=f"{method}() on group '{g.name}'",
+                                 source=f"{producer.cls_name}.{lazy.method}"))
+            for i in range(n)
+        ]
 
 
 def _needs_lengths(collect: str | None, n_outputs: int) -> bool:
@@ -440,11 +526,12 @@ async def _all_or_first_error(refs: list) -> list:
     return [t.result() for t in tasks]
 
 
-async def _quiet(ref) -> None:
+async def _quiet(ref) -> Any:
+    """The ref's value, or None if it failed (teardown and probes are best effort)."""
     try:
-        await ref
-    except Exception:  # teardown is best effort
-        pass
+        return await ref
+    except Exception:
+        return None
 
 
 def _cause_text(e: BaseException) -> str:

@@ -243,6 +243,38 @@ class GangProxy:
             self._gang.dispatcher.restart.remote(), f"restart of gang {self._desc['label']}", timeout
         )
 
+    def save_state(self, path: str | None = None, timeout: float | None = None) -> None:
+        """Save every rank's ``state_dict()``; after a rebuild each rank gets it back.
+
+        The states stay in the object store, owned by the gang's dispatcher (no
+        copy passes through this process), or, with ``path``, in one file per
+        rank under ``path`` (``rank<r>.pt``; survives the loss of a node's object
+        store; the directory must be reachable from every worker). Taken in
+        order with this caller's calls; blocks until every rank has saved. After
+        an automatic (``max_restarts``) or a manual ``restart()`` rebuild, each
+        new rank's ``load_state_dict(state)`` runs before any other call.
+
+        Example::
+
+            trainer.train_step(batch)
+            trainer.save_state()          # at most the steps since this one are lost
+        """
+        self._check_open()
+        g = self._gang
+        with self._turn_lock:
+            turn = (self._caller_id, self._next_turn)
+            ref = g.dispatcher.save_state.remote(path, turn)
+            self._next_turn += 1
+        fetch([ref], [0], g, "save_state", timeout)
+
+    def _abort(self, reason: str, ranks: list[int] | None = None) -> None:
+        """Tear the gang down: ``ranks`` are stuck in a collective with another gang that failed
+        (weight sync). Calls then raise GangStuckError, or run on the rebuilt gang."""
+        try:
+            ray.get(self._gang.dispatcher.abort.remote(reason, ranks), timeout=10)
+        except Exception:  # the dispatcher is gone: nothing left to tear down
+            logger.debug("abort of gang %s failed", self._desc["label"], exc_info=True)
+
     def check_health(self, timeout: float = 10.0) -> None:
         """Raise WorkerDiedError if a worker of the gang died."""
         self._check_open()
@@ -285,6 +317,7 @@ def create_gang(
     execute: str,
     distributed: bool | None,
     max_restarts: int,
+    stuck_grace_s: float | None = 3.0,
     group_name: str,
     args: tuple,
     kwargs: dict,
@@ -321,6 +354,7 @@ def create_gang(
         seed=runtime.seed,
         namespace=runtime.namespace,
         max_restarts=max_restarts,
+        stuck_grace_s=stuck_grace_s,
     )
     here = ray.get_runtime_context().get_node_id()
     dispatcher = RemoteDispatcher.options(

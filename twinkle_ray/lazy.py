@@ -21,17 +21,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from .dispatch import collect as collect_results
 from .dispatch import concat, take
-from .errors import CallTimeoutError, WorkerDiedError, describe_actor_death
+from .errors import CallTimeoutError, WorkerDiedError, dead_worker, describe_actor_death
+from .routing import locate, windows
 
 logger = logging.getLogger(__name__)
 
 END_OF_ITERATION = "twinkle_ray:end-of-iteration"
 DEATH_QUERY_TIMEOUT_S = 5.0
-ERROR_GRACE_S = 2.0  # after a failure, how long to wait for the other ranks' outcomes
+# After a failure, how long to look at the other ranks' outcomes before raising (a peer's death
+# outranks a user error it caused). Stuck ranks are the dispatcher's business (GangStuckError).
+ERROR_GRACE_S = 0.5
 
 
 @dataclass
@@ -56,7 +59,25 @@ class GangRef:
     n_workers: int = 1
 
     def death_error(self, exc: BaseException, rank: int | None) -> WorkerDiedError:
-        """The WorkerDiedError for a dead worker: the dispatcher's record of the first death."""
+        """The WorkerDiedError for a dead worker: the dispatcher's record of the first death.
+
+        A death of another gang's worker (a producer whose output this gang's
+        call took as an input, so Ray failed the call before it ran) is named as
+        that worker's, not this gang's.
+        """
+        text = str(exc)
+        other = dead_worker(text)
+        if other is not None and other[:2] != (self.group, self.cls_name):
+            group, cls, rank, label, namespace = other
+            try:  # its own dispatcher knows the first death of that gang
+                d = ray.get_actor(label, namespace=namespace)
+                err = ray.get(d.death.remote(), timeout=DEATH_QUERY_TIMEOUT_S)
+            except Exception:
+                err = None
+            if err is None:
+                err = WorkerDiedError(group, cls, rank, *describe_actor_death(text))
+            err.add_note(f"it produced an input of a call on {self.cls_name} in group '{self.group}'")
+            return err
         try:
             death = ray.get(self.dispatcher.death.remote(), timeout=DEATH_QUERY_TIMEOUT_S)
         except Exception:  # the dispatcher is gone too: describe what we saw
@@ -68,16 +89,64 @@ class GangRef:
 
 
 @dataclass
+class Window:
+    """How a consumer worker finds its own slice of a routed value, in the worker.
+
+    The dispatcher never waits for the producers' length records: it passes
+    them to the consumer's task as top-level arguments (Ray resolves them
+    before the task runs) and the worker computes its window from them.
+    """
+
+    dispatch: str
+    n_workers: int
+    index: int  # this worker's position among the call's workers
+    mesh: Any = None
+    gpus_per_worker: int = 1
+    where: str = ""  # "train_step() on group 'trainer'", for the short-batch error
+    source: str = ""  # "Sampler.generate", likewise
+
+    def pieces(self, lengths: list[int]) -> list[tuple[int, tuple[int, int] | None]]:
+        total = sum(lengths)
+        wins = windows(self.dispatch, total, self.n_workers, mesh=self.mesh,
+                       gpus_per_worker=self.gpus_per_worker)
+        needed = len(set(wins))
+        if total < needed:
+            raise ValueError(
+                f"{self.where}: batch of {total} items (from {self.source}) is smaller than the "
+                f"data-parallel size {needed}"
+            )
+        return locate(lengths, *wins[self.index])
+
+
+@dataclass
 class Pieces:
-    """A routed slice of a lazy value: parts of producer outputs, joined in the worker."""
+    """A routed lazy value: producer outputs (or parts of them), joined in the consumer worker.
+
+    With a ``window``, the worker picks the covering outputs itself from their
+    lengths: ``const_lengths`` or the resolved length records at positions
+    ``length_slots`` of its task's leading arguments. Only the covering
+    producer refs are pulled.
+    """
 
     refs: list
-    windows: list  # per ref: None (whole) or (start, stop)
     as_list: bool = False  # items are whole per-rank results (collect='none'), not concatenated
+    producer: GangRef | None = None
+    method: str = ""
+    ranks: list | None = None  # producer rank of each ref
+    window: Window | None = None
+    length_slots: tuple[int, int] | None = None
+    const_lengths: list | None = None
 
-    def materialize(self) -> Any:
-        values = ray.get(self.refs)
-        parts = [v if w is None else take(v, *w) for v, w in zip(values, self.windows, strict=True)]
+    def materialize(self, lengths: tuple = ()) -> Any:
+        picks: list = [(k, None) for k in range(len(self.refs))]
+        if self.window is not None:
+            lens = (self.const_lengths if self.const_lengths is not None
+                    else list(lengths[self.length_slots[0]:self.length_slots[1]]))
+            if all(isinstance(x, int) for x in lens):  # else not sliceable: take it whole
+                picks = self.window.pieces(lens)
+        values = pull([self.refs[k] for k, _ in picks], self.producer, self.method,
+                      [self.ranks[k] if self.ranks else None for k, _ in picks])
+        parts = [v if w is None else take(v, *w) for v, (_, w) in zip(values, picks, strict=True)]
         if self.as_list:
             return parts
         return parts[0] if len(parts) == 1 else concat(parts)
@@ -92,28 +161,54 @@ class Collected:
     workers: list[int]
     mesh: Any = None
     gpus_per_worker: int = 1
-    window: tuple[int, int] | None = None
+    producer: GangRef | None = None
+    method: str = ""
 
-    def materialize(self) -> Any:
-        value = collect_results(
+    def materialize(self, lengths: tuple = ()) -> Any:
+        return collect_results(
             self.collect,
-            ray.get(self.refs),
+            pull(self.refs, self.producer, self.method, self.workers),
             device_mesh=self.mesh,
             gpus_per_worker=self.gpus_per_worker,
             worker_indices=self.workers,
         )
-        return value if self.window is None else take(value, *self.window)
 
 
-def resolve_routed(value: Any) -> Any:
+def pull(refs: list, producer: GangRef | None, method: str, ranks: list) -> list:
+    """ray.get a producer's output refs in a consumer; a failed producer is named, not hidden.
+
+    A producer worker that died makes this raise the producer gang's
+    WorkerDiedError (group, class, rank); a producer's own exception is
+    re-raised as itself with a note naming the producer.
+    """
+    try:
+        return ray.get(refs)
+    except RayError:
+        if producer is None:
+            raise
+    for ref, rank in zip(refs, ranks, strict=True):
+        try:
+            ray.get(ref)
+        except RayTaskError as e:
+            raise _user_error(e, producer, method, rank) from None
+        except RayError as e:
+            err = producer.death_error(e, rank)
+            err.add_note(f"while fetching the output of {producer.cls_name}.{method}() (rank {rank} "
+                         f"of group '{producer.group}') as an input")
+            raise err from None
+    return ray.get(refs)
+
+
+def resolve_routed(value: Any, lengths: tuple = ()) -> Any:
     """Materialise what the proxy or dispatcher put in place of an argument, in the worker.
 
-    Routed markers are fetched from the producers; an ObjectRef (a large value
-    the proxy ``ray.put``, when Ray did not resolve it as a top-level argument)
-    is fetched; other values pass through.
+    Routed markers are fetched from the producers (``lengths``: the task's
+    resolved length records); an ObjectRef (a large value the proxy
+    ``ray.put``, when Ray did not resolve it as a top-level argument) is
+    fetched; other values pass through.
     """
     if isinstance(value, (Pieces, Collected)):
-        return value.materialize()
+        return value.materialize(lengths)
     if isinstance(value, ray.ObjectRef):
         return ray.get(value)
     if isinstance(value, LazyResult):  # a LazyResult passed whole (e.g. in local use)
@@ -157,17 +252,21 @@ def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: f
         err = _user_error(e, gang, method, rank)
         if pending and hasattr(err, "add_note"):
             late = [w for r, w in zip(refs, workers, strict=True) if r not in done]
-            err.add_note(f"rank(s) {late} are still running (blocked in a collective?); "
-                         f"call restart() on the gang if they do not finish")
+            err.add_note(f"rank(s) {late} are still running; if they are blocked in a collective, "
+                         f"the gang is torn down after its grace period (GangStuckError)")
         raise err from None
     return ray.get(refs)
 
 
 def _read_quietly(refs: list) -> None:
-    """Read refs whose errors were already raised, so Ray does not log them as unhandled."""
-    for ref in refs:
+    """Read the finished refs whose errors were already raised, so Ray does not log them as
+    unhandled. Never waits: refs of ranks still running are left alone."""
+    if not refs:
+        return
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+    for ref in ready:
         try:
-            ray.get(ref, timeout=ERROR_GRACE_S)
+            ray.get(ref, timeout=0)
         except Exception:  # expected: these hold the same error
             pass
 

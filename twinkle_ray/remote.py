@@ -119,6 +119,7 @@ def remote_class(
     *,
     distributed: bool | None = None,
     max_restarts: int = 0,
+    stuck_grace_s: float | None = 3.0,
 ) -> Callable[[type], type]:
     """Make a class constructible as a gang: ``Cls(..., remote_group='name')``.
 
@@ -128,7 +129,13 @@ def remote_class(
     distributed: initialise torch.distributed in the gang (default: when it
     has more than one worker); False opts out.
     max_restarts: rebuild the gang automatically this many times after a
-    worker dies (calls in flight still raise WorkerDiedError).
+    worker dies (calls in flight still raise WorkerDiedError); the state last
+    saved with ``save_state()`` is restored on every rank of the new gang.
+    stuck_grace_s: when a call raises on some ranks, ranks of that call still
+    running this many seconds later are presumed stuck in a collective and the
+    gang is torn down (``GangStuckError``) and rebuilt as after a death, so no
+    later call waits on them. None: never (stuck ranks then wait for
+    torch.distributed's own timeout).
 
     Without ``remote_group``, in local mode, or inside a worker, the class
     is built in-process exactly as written.
@@ -136,6 +143,9 @@ def remote_class(
     check_execute(execute)
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    if stuck_grace_s is not None and stuck_grace_s <= 0:
+        raise ValueError(f"stuck_grace_s must be positive or None, got {stuck_grace_s!r}")
+    options = dict(distributed=distributed, max_restarts=max_restarts, stuck_grace_s=stuck_grace_s)
 
     def decorate(cls: type) -> type:
         original_init = cls.__init__
@@ -149,7 +159,7 @@ def remote_class(
             if remote_group is not None:
                 from .runtime import gang_for
 
-                proxy = gang_for(klass, execute, distributed, max_restarts, remote_group, args, kwargs)
+                proxy = gang_for(klass, execute, options, remote_group, args, kwargs)
                 if proxy is not None:
                     return proxy
             if original_new is object.__new__:

@@ -282,7 +282,7 @@ def adopt_placement_group(
     rt.adopted.add(group.name)
 
 
-def gang_for(cls, execute, distributed, max_restarts, remote_group, args, kwargs):
+def gang_for(cls, execute, options, remote_group, args, kwargs):
     """The GangProxy for ``cls(..., remote_group=...)``, or None to build in-process."""
     rt = _runtime
     if "TWINKLE_WORKER" in os.environ and rt is None:
@@ -298,8 +298,7 @@ def gang_for(cls, execute, distributed, max_restarts, remote_group, args, kwargs
     from .mesh import DeviceMesh
 
     return create_gang(
-        cls, execute=execute, distributed=distributed, max_restarts=max_restarts,
-        group_name=remote_group, args=args, kwargs=kwargs, runtime=rt, mesh_type=DeviceMesh,
+        cls, execute=execute, **options, group_name=remote_group, args=args, kwargs=kwargs, runtime=rt, mesh_type=DeviceMesh,
     )
 
 

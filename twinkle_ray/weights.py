@@ -68,6 +68,8 @@ __all__ = ["SyncStats", "WeightChannel", "WeightSync", "WeightSyncMixin", "finge
 
 DEFAULT_BUCKET_MB = 32
 DEFAULT_TIMEOUT_S = 300.0
+SYNC_GRACE_S = 3.0  # after one end of a sync failed, how long the others get to finish
+SETTLE_READ_S = 30.0  # reading the outcome of an end that has finished or was torn down
 _FP_CHUNK = 1 << 20
 _INT_VIEW = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
@@ -653,23 +655,74 @@ class WeightSync:
 
         if not self._ok or not self._ready():
             self.setup()
-        wait = self.timeout_s + 30
         names = list(names) if names is not None else None
         sent = self.source.weight_sync_send(self.channel, names, only_changed, self.bucket_mb)
         got = [g.weight_sync_recv(self.channel) for g in self.targets]
-        errors: list[BaseException] = []
+        ends = list(zip([self.source, *self.targets], [sent, *got], strict=True))
+        first = self._settle(ends, self.timeout_s + 30)
+        errors: list[tuple[int, BaseException]] = []
         stats = None
-        for i, lazy in enumerate([sent, *got]):  # wait for every end, even after a failure
+        for k, (_, lazy) in enumerate(ends):  # every end has finished or been torn down by now
             try:
-                value = get(lazy, wait)
+                value = get(lazy, SETTLE_READ_S)
             except Exception as e:
-                errors.append(e)
+                errors.append((k, e))
             else:
-                stats = value if i == 0 else stats
+                stats = value if k == 0 else stats
         if errors:
             self._ok = False  # set up again on the next sync
-            raise errors[0]
+            raise next((e for k, e in errors if k == first), errors[0][1])
         return stats[0]
+
+    def _settle(self, ends: list, wait_s: float) -> int | None:
+        """Wait for both sides of a sync; return the index of the end that failed first.
+
+        Once one end has failed (a death, an exception on any rank, a timeout),
+        the others cannot complete the broadcast: ranks still inside it
+        ``SYNC_GRACE_S`` later are presumed stuck, and their gangs are torn down
+        (``GangStuckError``; rebuilt when ``max_restarts`` allows), so no rank
+        stays blocked in the sync group.
+        """
+        import ray
+
+        owner: dict = {}
+        first: int | None = None
+        for k, (_, lazy) in enumerate(ends):
+            try:
+                owner.update({ref: k for ref in lazy.refs})
+            except Exception:  # the gang could not take the call (dead, stopped)
+                first = k if first is None else first
+        start = time.monotonic()
+        failed_at = start if first is not None else None
+        pending = list(owner)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1, fetch_local=False)
+            if failed_at is None:
+                for ref in ready:
+                    try:
+                        ray.get(ref)  # small: sync stats, or the error
+                    except Exception:
+                        first, failed_at = owner[ref], time.monotonic()
+                        break
+            now = time.monotonic()
+            if failed_at is not None and now - failed_at >= SYNC_GRACE_S:
+                break
+            if now - start >= wait_s:
+                first = owner[pending[0]] if first is None else first
+                break
+        stuck: dict[int, list[int]] = {}
+        for ref in pending:
+            k = owner[ref]
+            stuck.setdefault(k, []).extend(
+                r for r, x in zip(ends[k][1].ranks, ends[k][1].refs, strict=True) if x == ref)
+        for k, ranks in stuck.items():
+            gang, _ = ends[k]
+            culprit = ends[first][0] if first is not None else gang
+            logger.warning("weight sync %s: %r failed; tearing down %r, ranks %s still in the sync",
+                           self.channel, culprit, gang, ranks)
+            gang._abort(f"weight sync {self.channel} failed on {culprit!r}; ranks {ranks} were "
+                        f"still inside it {SYNC_GRACE_S:g}s later", ranks)
+        return first
 
     def close(self) -> None:
         """Leave the channel on every worker (best effort)."""

@@ -33,6 +33,8 @@ from .placement import resource_options
 
 logger = logging.getLogger(__name__)
 
+REPORT_TIMEOUT_S = 5.0
+
 
 @dataclass
 class WorkerInfo:
@@ -51,6 +53,8 @@ class WorkerInfo:
     visible_devices_env: str | None
     kind: str
     env: dict[str, str] = field(default_factory=dict)
+    dispatcher: Any = field(default=None, repr=False)  # to report a failed call (stuck check)
+    generation: int = 0
 
     def environ(self) -> dict[str, str]:
         env = {
@@ -76,6 +80,7 @@ class GangWorker:
         os.environ.update(info.environ())
         self.info = info
         self.instance: Any = None
+        self.current: int | None = None  # sequence number of the call running now
 
     def endpoint(self) -> tuple[str, int]:
         """This node's IP and a free TCP port on it (for MASTER_PORT)."""
@@ -93,10 +98,10 @@ class GangWorker:
         cls: type,
         args: tuple,
         kwargs: dict,
-    ) -> str | None:
+    ) -> tuple[str | None, int]:
         """Join torch.distributed (all ranks call this concurrently), then build the instance.
 
-        Returns the torch.distributed backend used, or None.
+        Returns (the torch.distributed backend used or None, this process's pid).
         """
         os.environ["MASTER_PORT"] = str(master_port)
         backend = None
@@ -109,13 +114,16 @@ class GangWorker:
         args = tuple(resolve_routed(a) for a in args)
         kwargs = {k: resolve_routed(v) for k, v in kwargs.items()}
         self.instance = cls(*args, **kwargs)
-        return backend
+        return backend, os.getpid()
 
     def _init_distributed(self, timeout_s: float) -> str:
         import torch
         import torch.distributed as dist
 
         backend = "gloo"
+        if self.info.kind == "gpu":
+            for k, v in nccl_env(timeout_s).items():  # before any NCCL communicator exists
+                os.environ.setdefault(k, v)
         if self.info.kind == "gpu" and torch.cuda.is_available():
             backend = "nccl"
             torch.cuda.set_device(0)
@@ -135,27 +143,93 @@ class GangWorker:
         )
         return backend
 
-    def run(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        """Call ``method`` on the instance; return (result, meta).
+    def run(self, call: str | tuple, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """Call a method on the instance; return (result, meta).
 
+        ``call`` is the method name, or (name, sequence number, n) from the
+        dispatcher: the first n positional arguments are then the length
+        records of routed inputs (resolved by Ray before this task ran).
         meta is the result's batch length (used to route it lazily), None when
-        it has none, or END_OF_ITERATION when ``__next__`` is exhausted.
+        it has none, or END_OF_ITERATION when ``__next__`` is exhausted. A
+        failure is reported to the dispatcher before it is raised, so the
+        dispatcher can tell whether peers are left stuck in a collective.
         """
-        args = tuple(resolve_routed(a) for a in args)
-        kwargs = {k: resolve_routed(v) for k, v in kwargs.items()}
+        if isinstance(call, tuple):
+            method, seq, n = call
+            lengths, args = args[:n], args[n:]
+        else:
+            method, seq, lengths = call, None, ()
+        self.current = seq
         try:
+            args = tuple(resolve_routed(a, lengths) for a in args)
+            kwargs = {k: resolve_routed(v, lengths) for k, v in kwargs.items()}
             result = getattr(self.instance, method)(*args, **kwargs)
         except StopIteration:
             if method == "__next__":
                 return None, END_OF_ITERATION
+            self._report(seq, method, StopIteration())
             raise
+        except BaseException as e:
+            self._report(seq, method, e)
+            raise
+        finally:
+            self.current = None
         if result is self.instance:  # e.g. __iter__ returning self: keep it here
             return None, None
         return result, _meta(result)
 
-    def run_value(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def run_value(self, call: str | tuple, *args: Any, **kwargs: Any) -> Any:
         """``run`` without the length record: for calls whose outputs are never sliced by length."""
-        return self.run(method, *args, **kwargs)[0]
+        return self.run(call, *args, **kwargs)[0]
+
+    def _report(self, seq: int | None, method: str, error: BaseException) -> None:
+        d = self.info.dispatcher
+        if seq is None or d is None:
+            return
+        cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+        try:  # wait for the receipt: the caller must not see the error before the dispatcher does
+            ray.get(d.report_failure.remote(self.info.generation, seq, self.info.rank, method, cause),
+                    timeout=REPORT_TIMEOUT_S)
+        except Exception:  # the dispatcher is gone or busy: raising the error matters more
+            logger.debug("could not report a failure to the dispatcher", exc_info=True)
+
+    @ray.method(concurrency_group="control")
+    def progress(self) -> int | None:
+        """The sequence number of the call running now, or None when idle."""
+        return self.current
+
+    @ray.method(concurrency_group="control")
+    def pid(self) -> int:
+        return os.getpid()
+
+    def save_state(self, path: str | None = None) -> tuple[Any, bool]:
+        """(the instance's ``state_dict()``, or the file it was saved to under ``path``; True)."""
+        fn = getattr(self.instance, "state_dict", None)
+        if not callable(fn):
+            raise TypeError(f"{self.info.cls_name} has no state_dict(): it cannot be saved "
+                            f"(define state_dict() and load_state_dict(state))")
+        state = fn()
+        if path is None:
+            return state, True
+        import torch
+
+        os.makedirs(path, exist_ok=True)
+        file = os.path.join(path, f"rank{self.info.rank}.pt")
+        torch.save(state, file + ".tmp")
+        os.replace(file + ".tmp", file)  # a half-written file never replaces a good one
+        return file, True
+
+    def load_state(self, state: Any) -> None:
+        """Give the instance a saved state (or the file ``save_state`` wrote it to)."""
+        fn = getattr(self.instance, "load_state_dict", None)
+        if not callable(fn):
+            raise TypeError(f"{self.info.cls_name} has no load_state_dict(state): its saved state "
+                            f"cannot be restored")
+        if isinstance(state, str):
+            import torch
+
+            state = torch.load(state, weights_only=False)
+        fn(state)
 
     @ray.method(concurrency_group="control")
     def watch(self) -> None:
@@ -172,6 +246,26 @@ class GangWorker:
                 dist.destroy_process_group()
         except Exception:  # best effort at teardown
             logger.debug("destroy_process_group failed", exc_info=True)
+
+
+def nccl_env(timeout_s: float) -> dict[str, str]:
+    """Environment for torch's NCCL error handling and watchdog in a CUDA gang.
+
+    A collective that cannot complete (a peer died or raised before joining)
+    then errors after ``timeout_s`` and the communicator is aborted, instead of
+    hanging forever. Set before the process group is created; a user's own
+    setting of any of these wins.
+
+    >>> env = nccl_env(120)
+    >>> env["TORCH_NCCL_ASYNC_ERROR_HANDLING"], env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"]
+    ('1', '240')
+    """
+    return {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # abort the communicator and raise on errors/timeouts
+        "TORCH_NCCL_ENABLE_MONITORING": "1",  # the watchdog's heartbeat monitor
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(int(max(60, 2 * timeout_s))),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    }
 
 
 def _meta(result: Any) -> int | None:
@@ -201,7 +295,8 @@ def _seed_everything(seed: int) -> None:
         torch.manual_seed(seed)
 
 
-_RemoteGangWorker = ray.remote(concurrency_groups={"control": 2})(GangWorker)
+# control: watch() (always), progress() and pid() beside a running call.
+_RemoteGangWorker = ray.remote(concurrency_groups={"control": 3})(GangWorker)
 
 
 def make_worker(
