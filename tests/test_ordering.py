@@ -22,7 +22,7 @@ import pytest
 
 from twinkle_ray import DeviceGroup, remote_class, remote_function
 
-CALLS = 50  # per caller
+CALLS = 80  # per caller
 DRIVER_THREADS = (1, 2)  # caller ids of the two driver threads
 IN_WORKER = 3  # caller id of the proxy inside another gang's worker
 
