@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
+from .dispatch import worker_data_ranks
 from .errors import GangStuckError, WorkerDiedError, describe_actor_death
 from .group import DeviceGroup
 from .lazy import END_OF_ITERATION, CallOutput, Collected, LazyResult, Pieces, Window
@@ -42,6 +44,9 @@ from .worker import WorkerInfo, make_worker
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 2.0
+# Plans of this many recent calls are kept, so routing one of them into a later call needs
+# no fetch of the plan from the caller (who owns it). They keep those outputs alive a while.
+RECENT_PLANS = 8
 PROGRESS_QUERY_S = 5.0  # how long the stuck check waits for a worker to say what it is running
 TURN_WAIT_S = 60.0  # how long a call waits for its caller's previous call to arrive
 
@@ -90,6 +95,7 @@ class Dispatcher:
         self._watch_task: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
         self._suspect: asyncio.Task | None = None  # a stuck check after a reported failure
+        self._recent: OrderedDict[tuple[str, int], CallOutput] = OrderedDict()  # turn -> plan
         self.seq = 0  # calls submitted (all callers, all generations): the gang's one order
         self.saved: list | None = None  # per rank: last saved state (ObjectRef) or its file
         self.pids: list[int] = []
@@ -400,16 +406,18 @@ class Dispatcher:
             self.seq += 1
             for i in targets:
                 args, kwargs = per_worker[i] if len(per_worker) > 1 else per_worker[0]
+                lead = lengths
                 if _has_lazy(args, kwargs):
                     args, kwargs = await self._route(method, args, kwargs, i, dispatch, routes, lengths)
-                head = (method, self.seq, len(lengths))
+                    lead = lengths + _aligned_refs(len(lengths), args, kwargs)
+                head = (method, self.seq, len(lead))
                 if with_meta:
                     payload, meta = workers[i].run.options(num_returns=2).remote(
-                        head, *lengths, *args, **kwargs
+                        head, *lead, *args, **kwargs
                     )
                     metas.append(meta)
                 else:
-                    payload = workers[i].run_value.remote(head, *lengths, *args, **kwargs)
+                    payload = workers[i].run_value.remote(head, *lead, *args, **kwargs)
                 refs.append(payload)
         finally:
             if turn is not None:
@@ -417,7 +425,12 @@ class Dispatcher:
         ended = False
         if wait_meta:
             ended = any(m == END_OF_ITERATION for m in await asyncio.gather(*metas))
-        return CallOutput(refs=refs, metas=metas, workers=targets, ended=ended)
+        out = CallOutput(refs=refs, metas=metas, workers=targets, ended=ended)
+        if turn is not None:
+            self._recent[turn] = out
+            if len(self._recent) > RECENT_PLANS:
+                self._recent.popitem(last=False)
+        return out
 
     async def _wait_turn(self, caller: str, seq: int) -> None:
         if self._turns.get(caller, 0) >= seq:  # its turn already (the usual case): no wait task
@@ -454,11 +467,11 @@ class Dispatcher:
         """One routed marker per worker of this gang for the LazyResult ``lazy``.
 
         Waits for nothing but the producer's plan (its dispatcher returns that at
-        once): when the consumer slices by length, the producer's length records
+        once; this gang's own recent plans are at hand): when the consumer slices by length, the producer's length records
         are appended to ``lengths`` (the tasks' leading arguments) and each worker
         computes its own window from them.
         """
-        out = lazy._out if lazy._out is not None else await lazy._plan_ref
+        out = lazy._out or self._recent.get(lazy._turn) or await lazy._plan_ref
         n = len(self.workers)
         mode = lazy.collect
         producer = lazy.gang
@@ -478,11 +491,16 @@ class Dispatcher:
             slots, const = (len(lengths), len(lengths) + k), None
             lengths.extend(out.metas[:k])
         g = self.spec.group
+        aligned = k == n and not as_list and (
+            dispatch == "slice"
+            or len(set(worker_data_ranks(n, self.spec.mesh, g.gpus_per_worker)[1])) == n
+        )
         return [
             Pieces(refs, **common, length_slots=slots, const_lengths=const,
                    window=Window(dispatch, n, i, self.spec.mesh, g.gpus_per_worker,
                                  where=f"{method}() on group '{g.name}'",
-                                 source=f"{producer.cls_name}.{lazy.method}"))
+                                 source=f"{producer.cls_name}.{lazy.method}"),
+                   aligned=i if aligned else None)
             for i in range(n)
         ]
 
@@ -499,6 +517,17 @@ def _needs_lengths(collect: str | None, n_outputs: int) -> bool:
     if collect == "none":
         return n_outputs == 1
     return collect in ("flatten", "first")
+
+
+def _aligned_refs(start: int, args: tuple, kwargs: dict) -> list:
+    """The producer refs that routed markers in one worker's arguments take as leading
+    arguments (numbered from ``start``); sets each marker's slot."""
+    extra = []
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, Pieces) and v.aligned is not None:
+            v.aligned_slot = start + len(extra)
+            extra.append(v.refs[v.aligned])
+    return extra
 
 
 def _has_lazy(args: tuple, kwargs: dict) -> bool:

@@ -213,7 +213,8 @@ class GangProxy:
             if why is None:
                 raise
             raise TypeError(f"{g.cls_name}.{name}() on group '{g.group}': {why}") from e
-        result = LazyResult(plan, collect=spec.collect, gang=g, method=name, timeout=spec.timeout)
+        result = LazyResult(plan, collect=spec.collect, gang=g, method=name, timeout=spec.timeout,
+                            turn=turn)
         lazy = self._lazy_default if spec.lazy_collect is None else spec.lazy_collect
         if spec.sync or not lazy:
             return result.get()

@@ -136,6 +136,11 @@ class Pieces:
     window: Window | None = None
     length_slots: tuple[int, int] | None = None
     const_lengths: list | None = None
+    # Aligned layouts (output k is this worker's own slice when lengths are even): output
+    # ``aligned`` also travels as leading argument ``aligned_slot``, so Ray hands it over
+    # with the task, as it does for raw Ray's direct ref passing.
+    aligned: int | None = None
+    aligned_slot: int | None = None
 
     def materialize(self, lengths: tuple = ()) -> Any:
         picks: list = [(k, None) for k in range(len(self.refs))]
@@ -144,8 +149,11 @@ class Pieces:
                     else list(lengths[self.length_slots[0]:self.length_slots[1]]))
             if all(isinstance(x, int) for x in lens):  # else not sliceable: take it whole
                 picks = self.window.pieces(lens)
-        values = pull([self.refs[k] for k, _ in picks], self.producer, self.method,
-                      [self.ranks[k] if self.ranks else None for k, _ in picks])
+        fetch_ks = [k for k, _ in picks if k != self.aligned or self.aligned_slot is None]
+        got = dict(zip(fetch_ks, pull([self.refs[k] for k in fetch_ks], self.producer, self.method,
+                                      [self.ranks[k] if self.ranks else None for k in fetch_ks]),
+                       strict=True))
+        values = [got[k] if k in got else lengths[self.aligned_slot] for k, _ in picks]
         parts = [v if w is None else take(v, *w) for v, (_, w) in zip(values, picks, strict=True)]
         if self.as_list:
             return parts
@@ -301,11 +309,13 @@ class LazyResult:
         loss = out()                      # collected value
     """
 
-    __slots__ = ("_plan_ref", "_out", "_value", "_has_value", "collect", "gang", "method", "timeout")
+    __slots__ = ("_plan_ref", "_out", "_value", "_has_value", "collect", "gang", "method", "timeout",
+                 "_turn")
 
     def __init__(self, plan_ref, *, collect, gang: GangRef, method: str, timeout: float | None = None,
-                 out: CallOutput | None = None):
+                 out: CallOutput | None = None, turn: tuple[str, int] | None = None):
         self._plan_ref = plan_ref
+        self._turn = turn  # (caller id, number) of the call: its dispatcher knows the plan by it
         self._out = out
         self._value = None
         self._has_value = False
@@ -374,9 +384,10 @@ class LazyResult:
         # Travels as refs + routing facts; never with a fetched value.
         return (
             _rebuild_lazy,
-            (self._plan_ref, self.collect, self.gang, self.method, self.timeout, self._out),
+            (self._plan_ref, self.collect, self.gang, self.method, self.timeout, self._out, self._turn),
         )
 
 
-def _rebuild_lazy(plan_ref, collect, gang, method, timeout, out):
-    return LazyResult(plan_ref, collect=collect, gang=gang, method=method, timeout=timeout, out=out)
+def _rebuild_lazy(plan_ref, collect, gang, method, timeout, out, turn=None):
+    return LazyResult(plan_ref, collect=collect, gang=gang, method=method, timeout=timeout, out=out,
+                      turn=turn)
