@@ -36,7 +36,7 @@ import ray
 from .dispatch import worker_data_ranks
 from .errors import GangStuckError, WorkerDiedError, describe_actor_death
 from .group import DeviceGroup
-from .lazy import END_OF_ITERATION, CallOutput, Collected, LazyResult, Pieces, Window
+from .lazy import END_OF_ITERATION, CallOutput, Collected, GangRef, LazyResult, Pieces, Window
 from .placement import BundleSlot
 from .routing import peer_workers
 from .worker import WorkerInfo, make_worker
@@ -91,7 +91,9 @@ class Dispatcher:
         self.backend: str | None = None
         self.stopped = False
         self._turns: dict[str, int] = {}  # caller id -> sequence number of its next call
-        self._turn_changed = asyncio.Condition()
+        # (caller id, number) -> future of a call that arrived before its predecessor ended:
+        # ending a turn wakes exactly the caller's next call, not every waiting one.
+        self._turn_waiters: dict[tuple[str, int], asyncio.Future] = {}
         self._watch_task: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
         self._suspect: asyncio.Task | None = None  # a stuck check after a reported failure
@@ -433,22 +435,23 @@ class Dispatcher:
         return out
 
     async def _wait_turn(self, caller: str, seq: int) -> None:
-        if self._turns.get(caller, 0) >= seq:  # its turn already (the usual case): no wait task
+        if self._turns.get(caller, 0) >= seq:  # its turn already (the usual case): no wait
             return
-        async with self._turn_changed:
-            try:
-                await asyncio.wait_for(
-                    self._turn_changed.wait_for(lambda: self._turns.get(caller, 0) >= seq),
-                    TURN_WAIT_S,
-                )
-            except asyncio.TimeoutError:
-                logger.warning("gang %s: call %d of caller %s waited %.0fs for its predecessor; "
-                               "going ahead", self.spec.label, seq, caller, TURN_WAIT_S)
+        fut = self._turn_waiters[(caller, seq)] = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(fut, TURN_WAIT_S)
+        except asyncio.TimeoutError:
+            logger.warning("gang %s: call %d of caller %s waited %.0fs for its predecessor; "
+                           "going ahead", self.spec.label, seq, caller, TURN_WAIT_S)
+        finally:
+            self._turn_waiters.pop((caller, seq), None)
 
     async def _end_turn(self, caller: str) -> None:
-        async with self._turn_changed:
-            self._turns[caller] = self._turns.get(caller, 0) + 1
-            self._turn_changed.notify_all()
+        nxt = self._turns.get(caller, 0) + 1
+        self._turns[caller] = nxt
+        fut = self._turn_waiters.get((caller, nxt))
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     async def _route(self, method, args, kwargs, i, dispatch, routes, lengths):
         async def one(v):
@@ -482,7 +485,10 @@ class Dispatcher:
         k = 1 if mode == "first" else len(out.refs)
         refs, ranks = list(out.refs[:k]), list(out.workers[:k])
         as_list = mode == "none" and k > 1
-        common = dict(as_list=as_list, producer=producer, method=lazy.method, ranks=ranks)
+        # Enough to name the producer on failure (its dispatcher is found by name then): keeps
+        # the markers small, since every worker task of the call carries one.
+        named = GangRef(producer.group, producer.cls_name, dispatcher=None)
+        common = dict(as_list=as_list, producer=named, method=lazy.method, ranks=ranks)
         if dispatch not in ("slice", "slice_dp"):
             return [Pieces(refs, **common)] * n
         if as_list:
@@ -491,16 +497,15 @@ class Dispatcher:
             slots, const = (len(lengths), len(lengths) + k), None
             lengths.extend(out.metas[:k])
         g = self.spec.group
-        aligned = k == n and not as_list and (
-            dispatch == "slice"
-            or len(set(worker_data_ranks(n, self.spec.mesh, g.gpus_per_worker)[1])) == n
-        )
+        if dispatch == "slice_dp":
+            parts, index = worker_data_ranks(n, self.spec.mesh, g.gpus_per_worker)
+        else:
+            parts, index = n, list(range(n))
+        aligned = k == n == parts and not as_list  # output i is worker i's slice if lengths are even
+        where, source = f"{method}() on group '{g.name}'", f"{producer.cls_name}.{lazy.method}"
         return [
             Pieces(refs, **common, length_slots=slots, const_lengths=const,
-                   window=Window(dispatch, n, i, self.spec.mesh, g.gpus_per_worker,
-                                 where=f"{method}() on group '{g.name}'",
-                                 source=f"{producer.cls_name}.{lazy.method}"),
-                   aligned=i if aligned else None)
+                   window=Window(parts, index[i], where, source), aligned=i if aligned else None)
             for i in range(n)
         ]
 

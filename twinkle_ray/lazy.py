@@ -24,9 +24,9 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from .dispatch import collect as collect_results
-from .dispatch import concat, take
+from .dispatch import concat, span, take
 from .errors import CallTimeoutError, WorkerDiedError, dead_worker, describe_actor_death
-from .routing import locate, windows
+from .routing import locate
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class GangRef:
         """
         text = str(exc)
         other = dead_worker(text)
-        if other is not None and other[:2] != (self.group, self.cls_name):
+        if other is not None and (other[:2] != (self.group, self.cls_name) or self.dispatcher is None):
             group, cls, rank, label, namespace = other
             try:  # its own dispatcher knows the first death of that gang
                 d = ray.get_actor(label, namespace=namespace)
@@ -76,7 +76,9 @@ class GangRef:
                 err = None
             if err is None:
                 err = WorkerDiedError(group, cls, rank, *describe_actor_death(text))
-            err.add_note(f"it produced an input of a call on {self.cls_name} in group '{self.group}'")
+            if other[:2] != (self.group, self.cls_name):
+                err.add_note(f"it produced an input of a call on {self.cls_name} in group "
+                             f"'{self.group}'")
             return err
         try:
             death = ray.get(self.dispatcher.death.remote(), timeout=DEATH_QUERY_TIMEOUT_S)
@@ -94,28 +96,24 @@ class Window:
 
     The dispatcher never waits for the producers' length records: it passes
     them to the consumer's task as top-level arguments (Ray resolves them
-    before the task runs) and the worker computes its window from them.
+    before the task runs) and the worker computes its window from them: part
+    ``index`` of ``parts`` contiguous parts (its data rank of the data world
+    size for ``slice_dp``, its position among the workers for ``slice``).
     """
 
-    dispatch: str
-    n_workers: int
-    index: int  # this worker's position among the call's workers
-    mesh: Any = None
-    gpus_per_worker: int = 1
+    parts: int
+    index: int
     where: str = ""  # "train_step() on group 'trainer'", for the short-batch error
     source: str = ""  # "Sampler.generate", likewise
 
     def pieces(self, lengths: list[int]) -> list[tuple[int, tuple[int, int] | None]]:
         total = sum(lengths)
-        wins = windows(self.dispatch, total, self.n_workers, mesh=self.mesh,
-                       gpus_per_worker=self.gpus_per_worker)
-        needed = len(set(wins))
-        if total < needed:
+        if total < self.parts:
             raise ValueError(
                 f"{self.where}: batch of {total} items (from {self.source}) is smaller than the "
-                f"data-parallel size {needed}"
+                f"data-parallel size {self.parts}"
             )
-        return locate(lengths, *wins[self.index])
+        return locate(lengths, *span(total, self.parts, self.index))
 
 
 @dataclass
