@@ -60,6 +60,7 @@ from datetime import timedelta
 from typing import Any
 
 from .context import get_rank
+from .errors import GangStuckError, WorkerDiedError
 from .remote import remote_function
 
 logger = logging.getLogger(__name__)
@@ -671,7 +672,11 @@ class WeightSync:
                 stats = value if k == 0 else stats
         if errors:
             self._ok = False  # set up again on the next sync
-            raise next((e for k, e in errors if k == first), errors[0][1])
+            # A death explains its peers' errors (a reset connection on the other side): it wins,
+            # then the end that failed first.
+            deaths = [e for _, e in errors
+                      if isinstance(e, WorkerDiedError) and not isinstance(e, GangStuckError)]
+            raise (deaths or [e for k, e in errors if k == first] or [errors[0][1]])[0]
         return stats[0]
 
     def _settle(self, ends: list, wait_s: float) -> int | None:
