@@ -43,6 +43,22 @@ def ray_session():
     ray.shutdown()
 
 
+def load_example(path, name: str):
+    """Import an example script as module ``name``, picklable by value (workers cannot import
+    examples/ by name)."""
+    import importlib.util
+    import sys
+
+    import ray.cloudpickle
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    ray.cloudpickle.register_pickle_by_value(mod)
+    return mod
+
+
 def live_actors() -> list[dict]:
     """Live actors of the test namespace (state API of *this* session's Ray)."""
     import ray

@@ -12,21 +12,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray.cloudpickle
 
 import twinkle_ray
 from conftest import leftovers
+from conftest import load_example as _load_example
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "rlhf_grpo.py"
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("rlhf_grpo_example", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    ray.cloudpickle.register_pickle_by_value(mod)  # workers cannot import it by name
-    return mod
+    return _load_example(EXAMPLE, "rlhf_grpo_example")
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -23,6 +22,7 @@ import torch
 
 import twinkle_ray
 from conftest import leftovers
+from conftest import load_example as _load_example
 from twinkle_ray import DeviceGroup
 from twinkle_ray.weights import sync_weights
 
@@ -30,12 +30,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "rlhf_fsdp_hf.py
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("rlhf_fsdp_hf_example", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    ray.cloudpickle.register_pickle_by_value(mod)  # workers cannot import it by name
-    return mod
+    return _load_example(EXAMPLE, "rlhf_fsdp_hf_example")
 
 
 # ------------------------------------------------------------------------------ no Ray
