@@ -29,7 +29,7 @@ import asyncio
 
 import ray
 
-from twinkle_ray.dispatch import collect
+from twinkle_ray.core.dispatch import collect
 
 
 @ray.remote(num_cpus=0)

@@ -1,7 +1,7 @@
 """Griffe extension for the API reference: names in ``__all__`` that a package exports lazily.
 
 ``twinkle_ray`` exports ``LazyResult`` through a module ``__getattr__`` (so that
-``import twinkle_ray.mesh`` stays free of Ray). Griffe reads the source
+``import twinkle_ray.core.mesh`` stays free of Ray). Griffe reads the source
 statically and does not see such a name, so ``::: twinkle_ray.LazyResult``
 would fail. This extension imports the package, and for every ``__all__`` name
 griffe did not find it adds an alias to wherever the object really lives

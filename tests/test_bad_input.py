@@ -97,7 +97,7 @@ def test_only_cpus_short_names_cpus_per_worker(runtime):
 
 
 def test_progress_after_setting(monkeypatch):
-    from twinkle_ray import placement
+    from twinkle_ray.runtime import placement
 
     monkeypatch.delenv("TWINKLE_PROGRESS_AFTER_S", raising=False)
     assert placement.progress_after_s() == placement.PROGRESS_AFTER_S == 15.0
@@ -109,7 +109,7 @@ def test_progress_after_setting(monkeypatch):
 
 @pytest.mark.slow
 def test_busy_cluster_times_out_and_leaves_nothing(runtime, caplog, monkeypatch):
-    from twinkle_ray import placement
+    from twinkle_ray.runtime import placement
 
     monkeypatch.setattr(placement, "PROGRESS_AFTER_S", 0.5)
     runtime.initialize(groups=[DeviceGroup("all8", 8, "cuda")], placement_timeout_s=2.0)

@@ -90,7 +90,7 @@ def test_loader_batches_reach_each_dp_rank_exactly_once(rt, consumer):
     n = 53  # uneven: 6 full batches of 8, then a 5-item tail
     loader = DataLoader(functools.partial(_make, n), batch_size=8, device_mesh=MESH, shuffle=True,
                         seed=11, remote_group="data")
-    assert isinstance(loader, twinkle_ray.gang.GangProxy) and len(loader) == 7
+    assert isinstance(loader, twinkle_ray.runtime.proxy.GangProxy) and len(loader) == 7
     parts, batches = _drain(loader, consumer)
     sampler = DeviceMeshSampler(n, 8, device_mesh=MESH, shuffle=True, seed=11)
     assert batches == list(sampler)  # the loader yields the sampler's global batches

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from twinkle_ray.dispatch import (
+from twinkle_ray.core.dispatch import (
     COLLECT_MODES,
     DISPATCH_MODES,
     EXECUTE_MODES,
@@ -374,7 +374,7 @@ def test_slice_dp_dicts_key_by_key():
 
 
 def test_slice_dp_with_real_mesh():
-    from twinkle_ray.mesh import DeviceMesh
+    from twinkle_ray.core.mesh import DeviceMesh
 
     mesh = DeviceMesh.from_sizes(pp_size=2, dp_size=2, tp_size=2)
     calls = dispatch('slice_dp', 8, (np.arange(10),), {}, device_mesh=mesh)
@@ -648,7 +648,7 @@ def test_last_pp_tuples_element_wise():
 
 
 def test_last_pp_with_real_mesh_matches_collect_ranks():
-    from twinkle_ray.mesh import DeviceMesh
+    from twinkle_ray.core.mesh import DeviceMesh
 
     for sizes in ({'pp_size': 2, 'dp_size': 2, 'tp_size': 2}, {'dp_size': 2, 'tp_size': 2},
                   {'fsdp_size': 2, 'dp_size': 2}, {'pp_size': 4, 'dp_size': 2}):
@@ -666,7 +666,7 @@ def test_last_pp_with_real_mesh_matches_collect_ranks():
 def test_module_imports_neither_torch_nor_ray():
     code = (
         'import importlib.util, sys\n'
-        f'spec = importlib.util.spec_from_file_location("d", {str(ROOT / "twinkle_ray" / "dispatch.py")!r})\n'
+        f'spec = importlib.util.spec_from_file_location("d", {str(ROOT / "twinkle_ray" / "core" / "dispatch.py")!r})\n'
         'mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n'
         'assert "torch" not in sys.modules and "ray" not in sys.modules, sorted(sys.modules)\n'
         'calls = mod.dispatch("slice_dp", 2, ([1, 2, 3],), {})\n'

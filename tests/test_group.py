@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from twinkle_ray.group import (
+from twinkle_ray.core.group import (
     ACCELERATORS,
     PLACEMENT_STRATEGIES,
     DeviceGroup,
@@ -342,7 +342,7 @@ def test_check_groups_rejects_non_groups():
 def test_module_imports_neither_torch_nor_ray():
     code = (
         'import importlib.util, sys\n'
-        f'spec = importlib.util.spec_from_file_location("g", {str(ROOT / "twinkle_ray" / "group.py")!r})\n'
+        f'spec = importlib.util.spec_from_file_location("g", {str(ROOT / "twinkle_ray" / "core" / "group.py")!r})\n'
         'mod = importlib.util.module_from_spec(spec); sys.modules["g"] = mod; spec.loader.exec_module(mod)\n'
         'assert "torch" not in sys.modules and "ray" not in sys.modules\n'
         'assert mod.DeviceGroup("g", 2).bundles() == [{"GPU": 1, "CPU": 1.0}] * 2\n'

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from twinkle_ray.mesh import DeviceMesh
+from twinkle_ray.core.mesh import DeviceMesh
 from twinkle_ray.mesh_factory import (
     FSDP2_DIMS,
     create_device_mesh,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from twinkle_ray.mesh import DeviceMesh
+from twinkle_ray.core.mesh import DeviceMesh
 from twinkle_ray.mesh_factory import create_fsdp2_mesh, create_megatron_fsdp_mesh
 
 WORLD = 8
@@ -71,7 +71,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
     from torch.distributed.device_mesh import init_device_mesh
 
-    from twinkle_ray.context import get_rank, get_world_size
+    from twinkle_ray.core.context import get_rank, get_world_size
 
     out: dict = {"get_rank": get_rank(), "get_world_size": get_world_size(), "meshes": {}}
     for name, ours in _our_meshes().items():

@@ -25,8 +25,8 @@ from twinkle_ray import (
     remote_class,
     remote_function,
 )
+from twinkle_ray.runtime.worker import nccl_env
 from twinkle_ray.weights import WeightSync, WeightSyncMixin
-from twinkle_ray.worker import nccl_env
 
 LIMIT_S = 20.0  # fault -> error, on a loaded 2-core machine; typical is a few seconds
 

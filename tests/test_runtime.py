@@ -206,7 +206,7 @@ def test_actor_names_read_well_in_dashboard(gangs):
 
 def test_lookup_by_name_from_anywhere(gangs):
     from conftest import NAMESPACE
-    from twinkle_ray.gang import GangProxy
+    from twinkle_ray.runtime.proxy import GangProxy
 
     found = GangProxy.lookup("b/Probe", namespace=NAMESPACE)
     assert found.received([1, 2])() == [[1]] * 2 + [[2]] * 2  # same mesh routing as the original

@@ -23,12 +23,13 @@ Example::
     twinkle.shutdown()
 """
 
-from .context import get_rank, get_world_size
-from .errors import CallTimeoutError, GangStuckError, PlacementError, WorkerDiedError
-from .group import DeviceGroup
-from .mesh import DeviceMesh
-from .remote import remote_class, remote_function
-from .runtime import get, get_device_placement, initialize, shutdown
+from .core.context import get_rank, get_world_size
+from .core.functions import remote_function
+from .core.group import DeviceGroup
+from .core.mesh import DeviceMesh
+from .runtime.errors import CallTimeoutError, GangStuckError, PlacementError, WorkerDiedError
+from .runtime.remote import remote_class
+from .runtime.session import get, get_device_placement, initialize, shutdown
 
 __version__ = "0.1.0"
 
@@ -37,7 +38,7 @@ def __getattr__(name: str):
     # LazyResult needs Ray; importing it lazily keeps ``import twinkle_ray.mesh`` (and the
     # other pure modules) free of Ray for code that only wants the mesh maths.
     if name == "LazyResult":
-        from .lazy import LazyResult
+        from .runtime.lazy import LazyResult
 
         return LazyResult
     raise AttributeError(f"module 'twinkle_ray' has no attribute {name!r}")

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .group import DeviceGroup
+from .core.group import DeviceGroup
 
 DESCRIPTION = "twinkle_ray: Ray-native gangs of workers for multi-group distributed ML (RLHF)."
 
@@ -88,7 +88,7 @@ def load_groups(path: str | Path) -> list[DeviceGroup]:
             groups.append(DeviceGroup(**kw))
         except (TypeError, ValueError) as e:
             raise CLIError(f"{p}: group {i} ({kw.get('name', '?')}): {e}") from None
-    from .group import check_groups
+    from .core.group import check_groups
 
     try:
         check_groups(groups)

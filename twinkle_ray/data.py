@@ -42,9 +42,10 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from .dispatch import span
-from .remote import remote_class, remote_function
-from .sampler import DeviceMeshSampler, StreamBatcher, batch_bounds
+from .core.dispatch import span
+from .core.functions import remote_function
+from .core.sampler import DeviceMeshSampler, StreamBatcher, batch_bounds
+from .runtime.remote import remote_class
 
 logger = logging.getLogger(__name__)
 

@@ -49,8 +49,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .group import DeviceGroup
-from .mesh import DeviceMesh
+from .core.group import DeviceGroup
+from .core.mesh import DeviceMesh
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def check_cluster_fits(
     """
     import ray
 
-    from .errors import PlacementError
+    from .runtime.errors import PlacementError
 
     bundles = replica_bundles(group, replica_resources)
     wanted: dict[str, float] = {}
@@ -229,7 +229,7 @@ class ReplicaGang:
 
         import twinkle_ray
 
-        from .runtime import adopt_placement_group, current
+        from .runtime.session import adopt_placement_group, current
 
         if retries < 0 or max_rebuilds < 0 or rebuild_timeout_s <= 0 or rebuild_window_s <= 0:
             raise ValueError(
@@ -295,7 +295,7 @@ class ReplicaGang:
         from here, in the background; while a rebuild is under way the
         replica counts as healthy (the rebuild has its own deadline).
         """
-        from .errors import WorkerDiedError
+        from .runtime.errors import WorkerDiedError
 
         if self._unavailable is not None:
             raise self._unavailable
@@ -364,7 +364,7 @@ class ReplicaGang:
         run again on the rebuilt gang (``retries``, default the gang's).
         Raises :class:`GangUnavailable` when the gang cannot be rebuilt.
         """
-        from .errors import WorkerDiedError
+        from .runtime.errors import WorkerDiedError
 
         retries = self.retries if retries is None else retries
         attempt = 0
@@ -490,7 +490,7 @@ def json_response(content: Any, status: int = 200, headers: dict[str, str] | Non
 def error_response(error: BaseException) -> Any:
     """The JSON error response for ``error``: a BadRequest's own 4xx, 503 for a gang that is
     dead or being rebuilt, else 500 (the message names only the exception's type)."""
-    from .errors import WorkerDiedError
+    from .runtime.errors import WorkerDiedError
 
     if isinstance(error, BadRequest):
         return json_response({"error": str(error)}, error.status, error.headers)

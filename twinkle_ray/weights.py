@@ -59,9 +59,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from .context import get_rank
-from .errors import GangStuckError, WorkerDiedError
-from .remote import remote_function
+from .core.context import get_rank
+from .core.functions import remote_function
+from .runtime.errors import GangStuckError, WorkerDiedError
 
 logger = logging.getLogger(__name__)
 
@@ -616,7 +616,7 @@ class WeightSync:
         if not self._remote:
             self._ok = True
             return
-        from .runtime import get
+        from .runtime.session import get
 
         wait = self.timeout_s + 30
         probes = [get(g.weight_sync_probe(), wait) for g in [self.source, *self.targets]]
@@ -640,7 +640,7 @@ class WeightSync:
                     self.channel, backend, self.world_size, self.world_size - 1, addr, port)
 
     def _ready(self) -> bool:
-        from .runtime import get
+        from .runtime.session import get
 
         wait = self.timeout_s + 30
         flags = get(self.source.weight_sync_ready(self.channel, "source"), wait)
@@ -652,7 +652,7 @@ class WeightSync:
         """Send the source's tensors (all, ``names``, or the changed ones) to every receiver."""
         if not self._remote:
             return _local_sync(self.source, self.targets, names)
-        from .runtime import get
+        from .runtime.session import get
 
         if not self._ok or not self._ready():
             self.setup()
@@ -733,7 +733,7 @@ class WeightSync:
         """Leave the channel on every worker (best effort)."""
         if not self._remote:
             return
-        from .runtime import get
+        from .runtime.session import get
 
         for g in [self.source, *self.targets]:
             try:
@@ -744,7 +744,7 @@ class WeightSync:
 
 
 def _is_gang(obj: Any) -> bool:
-    from .gang import GangProxy
+    from .runtime.proxy import GangProxy
 
     return isinstance(obj, GangProxy)
 

@@ -23,10 +23,10 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
-from .dispatch import collect as collect_results
-from .dispatch import concat, span, take
+from ..core.dispatch import collect as collect_results
+from ..core.dispatch import concat, span, take
+from ..core.routing import locate
 from .errors import CallTimeoutError, WorkerDiedError, dead_worker, describe_actor_death
-from .routing import locate
 
 logger = logging.getLogger(__name__)
 

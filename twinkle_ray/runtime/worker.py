@@ -27,7 +27,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from .dispatch import batch_len
+from ..core.dispatch import batch_len
 from .lazy import END_OF_ITERATION, resolve_routed
 from .placement import resource_options
 

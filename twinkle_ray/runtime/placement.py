@@ -30,8 +30,8 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ..core.group import DeviceGroup
 from .errors import PlacementError
-from .group import DeviceGroup
 
 logger = logging.getLogger(__name__)
 

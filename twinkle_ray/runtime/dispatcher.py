@@ -33,12 +33,13 @@ from typing import Any
 
 import ray
 
-from .dispatch import worker_data_ranks
+from ..core.dispatch import worker_data_ranks
+from ..core.group import DeviceGroup
+from ..core.routing import peer_workers
 from .errors import GangStuckError, WorkerDiedError, describe_actor_death
-from .group import DeviceGroup
 from .lazy import END_OF_ITERATION, CallOutput, Collected, GangRef, LazyResult, Pieces, Window
 from .placement import BundleSlot
-from .routing import peer_workers
+from .proxy import GangProxy
 from .worker import WorkerInfo, make_worker
 
 logger = logging.getLogger(__name__)
@@ -325,9 +326,6 @@ class Dispatcher:
 
     def proxy(self):
         """A GangProxy for this gang, for callers that found it by name (GangProxy.lookup)."""
-        from .gang import GangProxy
-        from .lazy import GangRef
-
         gang = GangRef(
             group=self.spec.group.name,
             cls_name=self.spec.cls_name,

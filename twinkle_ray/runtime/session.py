@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .group import DeviceGroup, check_groups
+from ..core.group import DeviceGroup, check_groups
 
 logger = logging.getLogger(__name__)
 
@@ -294,8 +294,8 @@ def gang_for(cls, execute, options, remote_group, args, kwargs):
         )
     if rt.mode == "local":
         return None
+    from ..core.mesh import DeviceMesh
     from .gang import create_gang
-    from .mesh import DeviceMesh
 
     return create_gang(
         cls, execute=execute, **options, group_name=remote_group, args=args, kwargs=kwargs, runtime=rt, mesh_type=DeviceMesh,

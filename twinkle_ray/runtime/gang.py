@@ -1,0 +1,105 @@
+"""create_gang: start a gang of workers and its dispatcher for one instance of a user class.
+
+Called by ``@remote_class`` construction in Ray mode (through the session);
+returns the :class:`~twinkle_ray.runtime.proxy.GangProxy` that calls go through.
+
+Example::
+
+    proxy = create_gang(Model, execute="all", distributed=None, max_restarts=0,
+                        group_name="trainer", args=(), kwargs={"device_mesh": mesh},
+                        runtime=session, mesh_type=DeviceMesh)
+"""
+
+from __future__ import annotations
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from .dispatcher import GangSpec, RemoteDispatcher
+from .lazy import GangRef
+from .proxy import GangProxy, put_large, wait_with_progress
+
+
+def create_gang(
+    cls: type,
+    *,
+    execute: str,
+    distributed: bool | None,
+    max_restarts: int,
+    stuck_grace_s: float | None = 3.0,
+    group_name: str,
+    args: tuple,
+    kwargs: dict,
+    runtime,
+    mesh_type: type,
+) -> GangProxy:
+    """Start a gang for ``cls`` on group ``group_name`` and return its proxy."""
+    group = runtime.group(group_name)
+    mesh = next((v for v in (*args, *kwargs.values()) if isinstance(v, mesh_type)), None)
+    slots = runtime.slots[group.name]
+    if execute == "first":
+        slots = slots[:1]
+    elif mesh is not None and mesh.world_size != (group.num_devices or group.num_workers):
+        raise ValueError(
+            f"{cls.__name__} on group '{group.name}': its DeviceMesh has world size "
+            f"{mesh.world_size} but the group has {group.num_devices or group.num_workers} "
+            f"{'device' if group.num_devices else 'worker'}(s)"
+        )
+    label = runtime.new_label(group.name, cls.__name__)
+    owns = runtime.claim(group.name, [s.bundle_index for s in slots])
+    [(args, kwargs)] = put_large([(args, kwargs)])
+    spec = GangSpec(
+        group=group,
+        cls=cls,
+        label=label,
+        args=args,
+        kwargs=kwargs,
+        slots=slots,
+        owns=owns,
+        pg=runtime.pgs[group.name],
+        mesh=mesh,
+        distributed=distributed,
+        dist_timeout_s=runtime.dist_timeout_s,
+        seed=runtime.seed,
+        namespace=runtime.namespace,
+        max_restarts=max_restarts,
+        stuck_grace_s=stuck_grace_s,
+    )
+    here = ray.get_runtime_context().get_node_id()
+    dispatcher = RemoteDispatcher.options(
+        name=label,
+        namespace=runtime.namespace,
+        num_cpus=0,
+        max_concurrency=1000,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True),
+    ).remote(spec)
+    try:
+        desc = wait_with_progress(
+            dispatcher.start.remote(), f"start-up of gang {label} ({len(slots)} worker(s))",
+            runtime.start_timeout_s,
+        )
+    except BaseException as e:
+        ray.kill(dispatcher, no_restart=True)
+        runtime.release(group.name, [s.bundle_index for s, o in zip(slots, owns, strict=True) if o])
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, Exception):
+            raise cause from None
+        if isinstance(e, ray.exceptions.RayActorError):
+            raise RuntimeError(
+                f"gang {label}: its dispatcher could not be created, most often because "
+                f"{cls.__module__}.{cls.__qualname__} or its arguments cannot be unpickled in a Ray "
+                f"worker (a module workers cannot import? ship it with runtime_env "
+                f"working_dir/py_modules). Ray said: {str(e).splitlines()[0]}"
+            ) from None
+        raise
+    gang = GangRef(
+        group=group.name,
+        cls_name=cls.__name__,
+        dispatcher=dispatcher,
+        mesh=mesh,
+        gpus_per_worker=group.gpus_per_worker,
+        n_workers=len(slots),
+    )
+    proxy = GangProxy(cls, gang, execute, runtime.lazy_collect, desc)
+    runtime.register(proxy)
+    return proxy
