@@ -58,6 +58,7 @@ import time
 
 import numpy as np
 import torch
+from reward_report import reward_curve, save_plot  # examples/ is on sys.path
 
 import twinkle_ray as twinkle
 from twinkle_ray import DeviceGroup, DeviceMesh, remote_class, remote_function
@@ -65,6 +66,7 @@ from twinkle_ray.data import DataLoader
 from twinkle_ray.mesh_factory import create_fsdp2_mesh
 from twinkle_ray.weights import WeightSyncMixin, sync_weights
 
+RANDOM_POLICY_REWARD = 0.07  # mean reward of a random policy on this task
 DIGITS = "0123456789"
 SPECIAL = {"eq": "=", "bos": "<bos>", "eos": "<eos>", "pad": "<pad>", "unk": "<unk>"}
 VOCAB = [*DIGITS, *SPECIAL.values()]  # token id of digit d is d
@@ -382,43 +384,6 @@ def evaluate_checkpoint(path: str, digits: int, n: int = 200, seed: int = 12345)
     return float(np.mean([score_text(p, a) for p, a in zip(prompts, texts, strict=True)]))
 
 
-def reward_curve(rewards: list[float], window: int = 10, width: int = 40) -> str:
-    """The curve as text: mean reward per window of steps, with a bar."""
-    lines = ["reward curve (mean reward per window of steps; random policy ~ 0.07)"]
-    for i in range(0, len(rewards), window):
-        chunk = rewards[i:i + window]
-        m = sum(chunk) / len(chunk)
-        lines.append(f"  steps {i + 1:3d}-{i + len(chunk):3d}  {m:.3f}  {'#' * round(m * width)}")
-    return "\n".join(lines)
-
-
-def save_plot(rewards: list[float], path: str) -> str | None:
-    """Save a PNG of the reward curve if matplotlib is installed; returns the path or None."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4))
-    steps = np.arange(1, len(rewards) + 1)
-    ax.plot(steps, rewards, alpha=0.35, label="per step")
-    k = min(10, len(rewards))
-    smooth = np.convolve(rewards, np.ones(k) / k, mode="valid")
-    ax.plot(steps[k - 1:], smooth, label=f"mean of {k}")
-    ax.axhline(0.07, color="grey", linestyle=":", label="random policy")
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean reward")
-    ax.set_ylim(0, 1)
-    ax.set_title("GRPO on CPU: FSDP2 trainer + HF sampler (twinkle_ray)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -465,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         phases["shutdown_s"] = time.perf_counter() - t0
     rewards = [m["reward"] for m in out["history"]]
     syncs = out["sync"]
-    curve = reward_curve(rewards, window=5 if steps <= 50 else 10)
+    curve = reward_curve(rewards, baseline=RANDOM_POLICY_REWARD, window=5 if steps <= 50 else 10)
     print()
     print(curve)
     k = max(1, min(10, len(rewards) // 4))
@@ -479,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{np.mean([s['wall_s'] for s in syncs]):.3f}s ({syncs[-1]['backend']})")
     with open(os.path.join(out_dir, "reward_curve.txt"), "w") as f:
         f.write(curve + "\n" + "\n".join(f"{i + 1} {r:.4f}" for i, r in enumerate(rewards)) + "\n")
-    png = save_plot(rewards, os.path.join(out_dir, "reward_curve.png"))
+    png = save_plot(rewards, os.path.join(out_dir, "reward_curve.png"), baseline=RANDOM_POLICY_REWARD,
+                    title='GRPO on CPU: FSDP2 trainer + HF sampler (twinkle_ray)')
     print(f"reward curve: {os.path.join(out_dir, 'reward_curve.txt')}"
           + (f", {png}" if png else " (PNG skipped: matplotlib is not installed)"))
     t0 = time.perf_counter()

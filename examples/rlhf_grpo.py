@@ -62,12 +62,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from reward_report import reward_curve, save_plot  # examples/ is on sys.path
 
 import twinkle_ray as twinkle
 from twinkle_ray import DeviceGroup, DeviceMesh, WorkerDiedError, remote_class, remote_function
 from twinkle_ray.data import DataLoader
 from twinkle_ray.weights import WeightSyncMixin, sync_weights
 
+RANDOM_POLICY_REWARD = 0.10  # mean reward of a random policy on this task
 VOCAB = 10
 LENGTH = 6
 HIDDEN = 128
@@ -543,43 +545,6 @@ def run_chaos(steps: int = 100, *, kill_every: int = 5, lr: float = 0.005, batch
             "kills": monkey.kills, "redone": redone}
 
 
-def reward_curve(rewards: list[float], window: int = 10, width: int = 40) -> str:
-    """The curve as text: mean reward per window of steps, with a bar."""
-    lines = ["reward curve (mean reward per window of steps; random policy = 0.10)"]
-    for i in range(0, len(rewards), window):
-        chunk = rewards[i:i + window]
-        m = sum(chunk) / len(chunk)
-        lines.append(f"  steps {i + 1:3d}-{i + len(chunk):3d}  {m:.3f}  {'#' * round(m * width)}")
-    return "\n".join(lines)
-
-
-def save_plot(rewards: list[float], path: str) -> str | None:
-    """Save a PNG of the reward curve if matplotlib is installed; returns the path or None."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4))
-    steps = np.arange(1, len(rewards) + 1)
-    ax.plot(steps, rewards, alpha=0.35, label="per step")
-    k = min(10, len(rewards))
-    smooth = np.convolve(rewards, np.ones(k) / k, mode="valid")
-    ax.plot(steps[k - 1:], smooth, label=f"mean of {k}")
-    ax.axhline(0.1, color="grey", linestyle=":", label="random policy")
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean reward")
-    ax.set_ylim(0, 1)
-    ax.set_title("GRPO on CPU with twinkle_ray")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None, help="training steps (default 100; 20 with --quick)")
@@ -612,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     rewards = out["rewards"]
     syncs = out["sync"]
     print()
-    print(reward_curve(rewards, window=5 if steps <= 40 else 10))
+    print(reward_curve(rewards, baseline=RANDOM_POLICY_REWARD, window=5 if steps <= 40 else 10))
     k = max(1, min(5, len(rewards) // 4))
     print(f"mean reward: first {k} steps {np.mean(rewards[:k]):.3f} -> last {k} steps "
           f"{np.mean(rewards[-k:]):.3f}  ({steps} steps in {out['seconds']:.1f}s)")
@@ -620,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     rate = np.mean([s.gb_per_s for s in syncs])
     print(f"weight sync: {mb:.2f} MB per step, mean {np.mean([s.seconds for s in syncs]) * 1e3:.1f} ms, "
           f"{rate:.2f} GB/s ({syncs[-1].backend})")
-    png = save_plot(rewards, args.plot)
+    png = save_plot(rewards, args.plot, baseline=RANDOM_POLICY_REWARD,
+                    title='GRPO on CPU with twinkle_ray')
     print(f"reward curve PNG: {png}" if png else "reward curve PNG: skipped (matplotlib is not installed)")
     if not args.chaos:
         return 0

@@ -45,12 +45,16 @@ def ray_session():
 
 def load_example(path, name: str):
     """Import an example script as module ``name``, picklable by value (workers cannot import
-    examples/ by name)."""
+    examples/ by name). Its directory goes on sys.path, as when it runs as a script, so it can
+    import its driver-side helpers (examples/reward_report.py)."""
     import importlib.util
     import sys
 
     import ray.cloudpickle
 
+    where = os.path.dirname(os.path.abspath(path))
+    if where not in sys.path:
+        sys.path.append(where)
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod

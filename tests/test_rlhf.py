@@ -90,7 +90,7 @@ def test_reward_and_policy_shapes():
     assert answers.shape == (3, 6) and logp.shape == (3, 6) and bool((logp <= 0).all())
     lp = example.Policy()(prompts, answers[:1])
     assert lp.shape == (1, 6, 10)
-    assert example.reward_curve([0.1, 0.2, 0.3], window=2).count("\n  steps") == 2
+    assert example.reward_curve([0.1, 0.2, 0.3], window=2, baseline=0.1).count("\n  steps") == 2
 
 
 # ------------------------------------------------------------------------------ GPU adapters

@@ -45,7 +45,7 @@ def test_tokenizer_task_and_reward():
     assert ex.answer_texts(tok, torch.tensor([[4, 0, tok.bos_token_id, 5]])) == ["40?5"]
     prompts = ex.make_prompts(5, 4, seed=1)
     assert len(prompts) == 5 and all(len(p) == 5 and p.endswith("=") for p in prompts)
-    assert ex.reward_curve([0.1, 0.2, 0.3], window=2).count("\n  steps") == 2
+    assert ex.reward_curve([0.1, 0.2, 0.3], window=2, baseline=0.1).count("\n  steps") == 2
 
 
 def _gather_worker(rank: int, port: int, out_dir: str) -> None:
