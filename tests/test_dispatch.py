@@ -673,3 +673,19 @@ def test_module_imports_neither_torch_nor_ray():
         'assert calls[0][0][0] == [1, 2] and mod.collect("flatten", [[1], [2]]) == [1, 2]\n'
     )
     subprocess.run([sys.executable, '-c', code], check=True, timeout=60)
+
+
+# ------------------------------------------------------------------ routing.locate
+
+
+@pytest.mark.parametrize("lengths, start, stop, expected", [
+    ([4, 4], 0, 8, [(0, None), (1, None)]),
+    ([4, 4], 5, 7, [(1, (1, 3))]),             # inside one output
+    ([4, 0, 4], 2, 6, [(0, (2, 4)), (2, (0, 2))]),  # an empty output is skipped
+    ([4, 4], 3, 3, []),                         # an empty window needs nothing
+    ([3, 3, 3], 3, 6, [(1, None)]),
+])
+def test_locate(lengths, start, stop, expected):
+    from twinkle_ray.core.routing import locate
+
+    assert locate(lengths, start, stop) == expected

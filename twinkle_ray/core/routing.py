@@ -2,14 +2,13 @@
 
 A LazyResult is a list of per-rank outputs whose concatenation is the value.
 When it is passed to another gang, each consumer worker needs only the part of
-that concatenation its dispatch mode gives it. ``windows`` says which part
-each consumer worker gets; ``locate`` says which producer outputs (and which
-ranges inside them) make up that part.
+that concatenation its dispatch mode gives it (``dispatch.span`` of its data
+rank); ``locate`` says which producer outputs (and which ranges inside them)
+make up that part. Each consumer worker runs it on the producers' length records.
 
-Example: producer dp=4 yields 4 outputs of 25 items; a dp=2 consumer::
+Example: producer dp=4 yields 4 outputs of 25 items; a dp=2 consumer's rank 0
+gets items [0, 50), rank 1 items [50, 100)::
 
-    >>> windows('slice_dp', 100, 2, mesh=None)
-    [(0, 50), (50, 100)]
     >>> locate([25, 25, 25, 25], 0, 50)
     [(0, None), (1, None)]
     >>> locate([25, 25, 25, 25], 10, 60)
@@ -17,22 +16,6 @@ Example: producer dp=4 yields 4 outputs of 25 items; a dp=2 consumer::
 """
 
 from __future__ import annotations
-
-from .dispatch import span, worker_data_ranks
-
-
-def windows(
-    mode: str, total: int, n_workers: int, *, mesh=None, gpus_per_worker: int = 1
-) -> list[tuple[int, int]]:
-    """The [start, stop) window of a ``total``-item batch each worker gets.
-
-    ``slice`` splits contiguously over workers; ``slice_dp`` by each worker's
-    data rank (tp/pp peers get the same window).
-    """
-    if mode == "slice_dp":
-        dp, data_ranks = worker_data_ranks(n_workers, mesh, gpus_per_worker)
-        return [span(total, dp, d) for d in data_ranks]
-    return [span(total, n_workers, i) for i in range(n_workers)]
 
 
 def locate(lengths: list[int], start: int, stop: int) -> list[tuple[int, tuple[int, int] | None]]:
