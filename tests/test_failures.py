@@ -212,3 +212,12 @@ def test_failing_init_names_the_rank(ray_session):
         assert time.monotonic() - t0 < 60
     finally:
         twinkle_ray.shutdown()
+
+
+def test_worker_died_error_reads_well_without_a_rank():
+    from twinkle_ray import WorkerDiedError
+
+    e = WorkerDiedError("g", "Model", None, None, "node lost")
+    assert str(e).startswith("a worker of Model in group 'g' died (node ?): node lost.")
+    assert str(WorkerDiedError("g", "Model", 1, "10.0.0.2", "x")).startswith(
+        "worker rank 1 of Model in group 'g' died (node 10.0.0.2)")

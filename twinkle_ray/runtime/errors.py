@@ -34,9 +34,9 @@ class WorkerDiedError(RuntimeError):
 
     def __init__(self, group: str, cls: str, rank: int | None, node: str | None, cause: str):
         self.group, self.cls, self.rank, self.node, self.cause = group, cls, rank, node, cause
-        where = f"rank {rank}" if rank is not None else "a worker"
+        who = f"worker rank {rank}" if rank is not None else "a worker"
         super().__init__(
-            f"worker {where} of {cls} in group '{group}' died (node {node or '?'}): {cause}. "
+            f"{who} of {cls} in group '{group}' died (node {node or '?'}): {cause}. "
             f"The gang was torn down; call .restart() on it to rebuild."
         )
 
