@@ -26,8 +26,10 @@ from bench import payload, whatif
 from bench.raw import RawGang, make_pg
 from bench.timing import compare, compare_many, ratios, slope
 from twinkle_ray import DeviceGroup, DeviceMesh, remote_class, remote_function
+from twinkle_ray.runtime.metrics import metrics_enabled
 
 NAMESPACE = "twinkle-bench"
+METRICS_REPEATS = 5  # B1 metrics on/off: this many times B1's repeats (a small difference is sought)
 
 
 @dataclass
@@ -146,6 +148,7 @@ def bench_gang4(cfg: Config, only: frozenset = frozenset({"B1", "B2", "B3"})) ->
         actors = raw.actors
         if "B1" in only:
             rows += _b1(cfg, gang, actors)
+            rows += _b1_metrics(cfg, gang, n)
 
         start = [[i] for i in range(n)]
 
@@ -248,6 +251,45 @@ def _b1(cfg: Config, gang, actors: list) -> list[dict]:
                              whatif=True))
     finally:
         ray.kill(hop)
+    return rows
+
+
+def _b1_metrics(cfg: Config, gang, n: int) -> list[dict]:
+    """B1 with metrics on (the B1 gang) vs off (a second gang on the same workers' bundles,
+    made with ``TWINKLE_METRICS=0``: no metrics, no task names), in one rotation.
+
+    ``ratio`` = on / off: what the gang metrics and named worker tasks cost a no-op call.
+    """
+    on = metrics_enabled()  # how the B1 gang was made (TWINKLE_METRICS of this run)
+    before = os.environ.get("TWINKLE_METRICS")
+    os.environ["TWINKLE_METRICS"] = "0"  # read where a gang is created
+    try:
+        off = BenchWorker(device_mesh=DeviceMesh.from_sizes(dp_size=n), remote_group="b1")
+    finally:
+        if before is None:
+            del os.environ["TWINKLE_METRICS"]
+        else:
+            os.environ["TWINKLE_METRICS"] = before
+    rows = []
+    try:
+        samples = compare_many({
+            "on eager": lambda: gang.noop_eager(),
+            "off eager": lambda: off.noop_eager(),
+            "on lazy": lambda: gang.noop().get(),
+            "off lazy": lambda: off.noop().get(),
+        }, repeats=cfg.repeats * METRICS_REPEATS, warmup=cfg.warmup)
+        for kind in ("eager", "lazy"):
+            ratio, paired = ratios(samples[f"on {kind}"], samples[f"off {kind}"])
+            rows.append(_row(
+                f"B1 metrics on vs off, 4 workers, {kind}",
+                {"on_s": statistics.median(samples[f"on {kind}"]),
+                 "off_s": statistics.median(samples[f"off {kind}"]), "ratio": ratio,
+                 "paired_ratio": paired, "on_samples": samples[f"on {kind}"],
+                 "off_samples": samples[f"off {kind}"]},
+                unit="ms", metrics_cost=True, metrics_on=on, target="<= 1.05x off",
+                checks=[("ratio", "<=", 1.05)]))
+    finally:
+        off.close()
     return rows
 
 

@@ -123,8 +123,9 @@ def table(report: dict) -> str:
     scaling = [r for r in report["results"] if r.get("workers")]
     slopes = [r for r in report["results"] if r.get("slope")]
     whatifs = [r for r in report["results"] if r.get("whatif")]
+    metrics = [r for r in report["results"] if r.get("metrics_cost")]
     for row in report["results"]:
-        if row in scaling or row in whatifs or row in slopes:
+        if row in scaling or row in whatifs or row in slopes or row in metrics:
             continue
         unit = row.get("unit", "ms")
         if row.get("floor"):  # the one-hop floor: its time stands in the twinkle_ray column
@@ -146,6 +147,14 @@ def table(report: dict) -> str:
                          f"{row['raw_bytes_to_consumers'] / mb:.0f} MB)")
             lines.append(f"   tracer self-check: one output fetched by the driver on purpose was seen as "
                          f"{row['tracer_self_check_bytes'] / mb:.0f} MB via the driver")
+    if metrics:
+        lines += ["", "Gang metrics and task names on vs off (same run, one rotation; ratio = on / off):",
+                  f"{'':<58} {'on':>12} {'off':>12} {'ratio':>7} {'paired':>8}"]
+        for row in metrics:
+            on = "" if row.get("metrics_on", True) else " (TWINKLE_METRICS=0: both off)"
+            lines.append(f"{row['name'] + on:<58} {_fmt_time(row['on_s'], 'ms'):>12} "
+                         f"{_fmt_time(row['off_s'], 'ms'):>12} {row['ratio']:6.2f}x "
+                         f"{row['paired_ratio']:7.2f}x  {_check(row)}")
     if whatifs:
         lines += ["", "What-if rows (not twinkle_ray features; bounds of the design space, same run):"]
         for row in whatifs:

@@ -15,6 +15,9 @@ import time
 # Ray binds every service to loopback (before ray is imported anywhere).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Every Ray process exports its metrics every 2 s (Ray: 10 s), so test_metrics sees a value soon
+# after it is recorded; read by Ray at start-up, hence here.
+os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 
 import pytest  # noqa: E402
 

@@ -39,7 +39,8 @@ def report() -> dict:
 
 
 def _rows(report: dict, prefix: str) -> list[dict]:
-    return [r for r in report["results"] if r["name"].startswith(prefix) and not r.get("whatif")]
+    return [r for r in report["results"]
+            if r["name"].startswith(prefix) and not r.get("whatif") and not r.get("metrics_cost")]
 
 
 def _positive(row: dict, *keys: str) -> None:
@@ -77,6 +78,10 @@ def test_quick_bench_reports_every_benchmark(report):
         slope["twinkle_ms_per_worker"] - slope["raw_ms_per_worker"])
     b2 = _rows(report, "B2")[0]
     assert b2["twinkle_calls_per_s"] > 0 and b2["raw_calls_per_s"] > 0
+    metrics = [r for r in report["results"] if r.get("metrics_cost")]  # B1 metrics on vs off
+    assert [r["name"].rsplit(", ", 1)[1] for r in metrics] == ["eager", "lazy"]
+    for r in metrics:
+        _positive(r, "on_s", "off_s", "ratio", "paired_ratio")
 
 
 def test_scaling_slope_is_least_squares_per_worker():

@@ -38,6 +38,7 @@ from ..core.group import DeviceGroup
 from ..core.routing import peer_workers
 from .errors import GangStuckError, WorkerDiedError, describe_actor_death
 from .lazy import END_OF_ITERATION, CallOutput, Collected, GangRef, LazyResult, Pieces, Window
+from .metrics import GangMetrics, metrics_enabled
 from .placement import BundleSlot
 from .proxy import GangProxy
 from .worker import WorkerInfo, make_worker
@@ -72,6 +73,8 @@ class GangSpec:
     max_restarts: int = 0
     stuck_grace_s: float | None = 3.0  # None: never presume ranks stuck after a failure
     env: dict[str, str] = field(default_factory=dict)
+    # metrics and 'group/Class.method' task names; TWINKLE_METRICS=0 where the gang is created: off
+    metrics: bool = field(default_factory=metrics_enabled)
 
     @property
     def cls_name(self) -> str:
@@ -102,6 +105,9 @@ class Dispatcher:
         self.seq = 0  # calls submitted (all callers, all generations): the gang's one order
         self.saved: list | None = None  # per rank: last saved state (ObjectRef) or its file
         self.pids: list[int] = []
+        self.metrics = GangMetrics.create(spec.label, spec.metrics)
+        # (method, with length record) -> (the workers list, each worker's bound task method)
+        self._submit: dict[tuple[str, bool], tuple[list, list]] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> dict:
@@ -137,6 +143,7 @@ class Dispatcher:
                     env={**g.env, **spec.env},
                     dispatcher=me,
                     generation=gen,
+                    metrics=spec.label if spec.metrics else None,
                 )
             )
         self.names = [info.name for info in infos]
@@ -404,6 +411,9 @@ class Dispatcher:
             refs, metas = [], []
             with_meta = wait_meta or _needs_lengths(collect, len(targets))
             self.seq += 1
+            if self.metrics is not None:
+                self.metrics.called(method)
+            submit = self._submitters(method, with_meta, workers)
             for i in targets:
                 args, kwargs = per_worker[i] if len(per_worker) > 1 else per_worker[0]
                 lead = lengths
@@ -412,12 +422,12 @@ class Dispatcher:
                     lead = lengths + _aligned_refs(len(lengths), args, kwargs)
                 head = (method, self.seq, len(lead))
                 if with_meta:
-                    payload, meta = workers[i].run.options(num_returns=2).remote(
+                    payload, meta = submit[i].remote(
                         head, *lead, *args, **kwargs
                     )
                     metas.append(meta)
                 else:
-                    payload = workers[i].run_value.remote(head, *lead, *args, **kwargs)
+                    payload = submit[i].remote(head, *lead, *args, **kwargs)
                 refs.append(payload)
         finally:
             if turn is not None:
@@ -431,6 +441,22 @@ class Dispatcher:
             if len(self._recent) > RECENT_PLANS:
                 self._recent.popitem(last=False)
         return out
+
+    def _submitters(self, method: str, with_meta: bool, workers: list) -> list:
+        """Each worker's bound task method for ``method`` (``run`` with two returns, or
+        ``run_value``), named 'group/Class.method' for Ray's task list and timeline unless
+        metrics are off. Made once per method and set of workers: nothing per call."""
+        key = (method, with_meta)
+        hit = self._submit.get(key)
+        if hit is not None and hit[0] is workers:
+            return hit[1]
+        opts = {"name": f"{self.spec.label}.{method}"} if self.spec.metrics else {}
+        if with_meta:
+            bound = [w.run.options(num_returns=2, **opts) for w in workers]
+        else:
+            bound = [w.run_value.options(**opts) if opts else w.run_value for w in workers]
+        self._submit[key] = (workers, bound)
+        return bound
 
     async def _wait_turn(self, caller: str, seq: int) -> None:
         if self._turns.get(caller, 0) >= seq:  # its turn already (the usual case): no wait

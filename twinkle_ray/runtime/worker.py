@@ -20,6 +20,7 @@ import os
 import random
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -29,6 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..core.dispatch import batch_len
 from .lazy import END_OF_ITERATION, resolve_routed
+from .metrics import GangMetrics, args_nbytes
 from .placement import resource_options
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class WorkerInfo:
     env: dict[str, str] = field(default_factory=dict)
     dispatcher: Any = field(default=None, repr=False)  # to report a failed call (stuck check)
     generation: int = 0
+    metrics: str | None = None  # the gang's label when it records metrics (see .metrics)
 
     def environ(self) -> dict[str, str]:
         env = {
@@ -81,6 +84,7 @@ class GangWorker:
         self.info = info
         self.instance: Any = None
         self.current: int | None = None  # sequence number of the call running now
+        self.metrics = GangMetrics.create(info.metrics, True) if info.metrics else None
 
     def endpoint(self) -> tuple[str, int]:
         """This node's IP and a free TCP port on it (for MASTER_PORT)."""
@@ -160,12 +164,17 @@ class GangWorker:
         else:
             method, seq, lengths = call, None, ()
         self.current = seq
+        m, t0, nbytes, failed = self.metrics, None, 0, True
         try:
             args = tuple(resolve_routed(a, lengths) for a in args)
             kwargs = {k: resolve_routed(v, lengths) for k, v in kwargs.items()}
+            if m is not None:
+                nbytes, t0 = args_nbytes(args, kwargs), time.perf_counter()
             result = getattr(self.instance, method)(*args, **kwargs)
+            failed = False
         except StopIteration:
             if method == "__next__":
+                failed = False
                 return None, END_OF_ITERATION
             self._report(seq, method, StopIteration())
             raise
@@ -174,6 +183,8 @@ class GangWorker:
             raise
         finally:
             self.current = None
+            if m is not None:
+                m.ran(method, None if t0 is None else time.perf_counter() - t0, nbytes, failed)
         if result is self.instance:  # e.g. __iter__ returning self: keep it here
             return None, None
         return result, _meta(result)
