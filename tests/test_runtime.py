@@ -92,6 +92,14 @@ class Probe:
     def double(self, xs):
         return [2 * x for x in xs]
 
+    @remote_function(dispatch="slice_dp", collect="flatten")
+    def grow(self, xs):
+        return list(xs) * (get_rank() + 1)  # uneven lengths across ranks
+
+    @remote_function(dispatch="slice_dp", collect="flatten")
+    def add(self, xs, ys):
+        return [x + y for x, y in zip(xs, ys, strict=True)]
+
     @remote_function(dispatch="all", collect="mean")
     def metric(self, scale: float = 1.0) -> dict:
         r = get_rank()
@@ -270,6 +278,30 @@ def test_lazy_chain_same_and_other_gang(gangs):
     assert x() == [16 * i for i in range(8)]
     # flatten keeps worker order; tp peers (ranks 0,1 and 2,3) both answer
     assert b.double(a.double([1, 2, 3, 4]))() == [4, 8, 4, 8, 12, 16, 12, 16]
+
+
+def test_aligned_chain_with_uneven_lengths_pulls_other_ranks(gangs):
+    a, _ = gangs
+    # rank i returns [i] * (i + 1): 10 items, so the next call's windows are 3, 3, 2, 2 and
+    # cross ranks (the routed marker's refs are fetched in the worker only in this case)
+    assert a.double(a.grow([0, 1, 2, 3]))() == [0, 2, 2, 4, 4, 4, 6, 6, 6, 6]
+
+
+def test_same_lazy_value_twice_in_one_call(gangs):
+    a, _ = gangs
+    x = a.double(list(range(8)))
+    assert a.add(x, x)() == [4 * i for i in range(8)]
+    assert a.add(x, ys=x)() == [4 * i for i in range(8)]
+
+
+def test_chained_value_older_than_the_dispatchers_recent_plans(gangs):
+    a, b = gangs
+    x = a.double(list(range(8)))
+    for _ in range(12):  # more calls than the dispatcher keeps plans of
+        a.count()
+    assert a.double(x)() == [4 * i for i in range(8)]
+    lo, hi = [4 * i for i in range(4)], [4 * i for i in range(4, 8)]
+    assert b.double(x)() == lo + lo + hi + hi  # another gang (tp peers both answer)
 
 
 def test_lazy_result_protocol(gangs):

@@ -105,6 +105,8 @@ class Dispatcher:
         self.seq = 0  # calls submitted (all callers, all generations): the gang's one order
         self.saved: list | None = None  # per rank: last saved state (ObjectRef) or its file
         self.pids: list[int] = []
+        self._data_ranks: dict[int, tuple[int, list[int]]] = {}  # gang size -> slice_dp layout
+        self._gang_ref: GangRef | None = None  # this gang, as producer of its own inputs
         self.metrics = GangMetrics.create(spec.label, spec.metrics)
         # (method, with length record) -> (the workers list, each worker's bound task method)
         self._submit: dict[tuple[str, bool], tuple[list, list]] = {}
@@ -458,6 +460,15 @@ class Dispatcher:
         self._submit[key] = (workers, bound)
         return bound
 
+    def _own_gang(self) -> GangRef:
+        """This gang's GangRef (its callers send its own LazyResults without one)."""
+        if self._gang_ref is None:
+            spec = self.spec
+            self._gang_ref = GangRef(spec.group.name, spec.cls_name,
+                                     ray.get_runtime_context().current_actor, spec.mesh,
+                                     spec.group.gpus_per_worker, len(spec.slots))
+        return self._gang_ref
+
     async def _wait_turn(self, caller: str, seq: int) -> None:
         if self._turns.get(caller, 0) >= seq:  # its turn already (the usual case): no wait
             return
@@ -501,7 +512,7 @@ class Dispatcher:
         out = lazy._out or self._recent.get(lazy._turn) or await lazy._plan_ref
         n = len(self.workers)
         mode = lazy.collect
-        producer = lazy.gang
+        producer = lazy.gang if lazy.gang is not None else self._own_gang()  # see _strip_own_gang
         if mode not in ("flatten", "none", "first"):
             whole = Collected(list(out.refs), mode, list(out.workers), producer.mesh,
                               producer.gpus_per_worker, producer, lazy.method)
@@ -522,11 +533,22 @@ class Dispatcher:
             lengths.extend(out.metas[:k])
         g = self.spec.group
         if dispatch == "slice_dp":
-            parts, index = worker_data_ranks(n, self.spec.mesh, g.gpus_per_worker)
+            dp = self._data_ranks.get(n)
+            if dp is None:  # the mesh is fixed: computed once per gang size
+                dp = self._data_ranks[n] = worker_data_ranks(n, self.spec.mesh, g.gpus_per_worker)
+            parts, index = dp
         else:
             parts, index = n, list(range(n))
         aligned = k == n == parts and not as_list  # output i is worker i's slice if lengths are even
         where, source = f"{method}() on group '{g.name}'", f"{producer.cls_name}.{lazy.method}"
+        if aligned:  # the refs travel as one object, fetched only if lengths are uneven
+            held = ray.put(refs)
+            return [
+                Pieces(None, **common, length_slots=slots, const_lengths=const,
+                       window=Window(parts, index[i], where, source), aligned=i,
+                       refs_ref=held, n_refs=k, own=refs[i])
+                for i in range(n)
+            ]
         return [
             Pieces(refs, **common, length_slots=slots, const_lengths=const,
                    window=Window(parts, index[i], where, source), aligned=i if aligned else None)
@@ -554,8 +576,14 @@ def _aligned_refs(start: int, args: tuple, kwargs: dict) -> list:
     extra = []
     for v in (*args, *kwargs.values()):
         if isinstance(v, Pieces) and v.aligned is not None:
+            if v.refs is None and v.own is None:  # the same value twice: its slot is set
+                continue
             v.aligned_slot = start + len(extra)
-            extra.append(v.refs[v.aligned])
+            if v.refs is None:  # moved, so it does not travel nested in the marker too
+                extra.append(v.own)
+                v.own = None
+            else:
+                extra.append(v.refs[v.aligned])
     return extra
 
 

@@ -126,7 +126,7 @@ class Pieces:
     producer refs are pulled.
     """
 
-    refs: list
+    refs: list | None  # None: see refs_ref
     as_list: bool = False  # items are whole per-rank results (collect='none'), not concatenated
     producer: GangRef | None = None
     method: str = ""
@@ -139,15 +139,24 @@ class Pieces:
     # with the task, as it does for raw Ray's direct ref passing.
     aligned: int | None = None
     aligned_slot: int | None = None
+    # Aligned markers hold the producer refs as one object (``refs_ref``, ``n_refs`` refs; refs
+    # is None) that the worker fetches only when uneven lengths need another rank's output:
+    # each task then carries one nested ref instead of one per producer output. ``own`` is the
+    # aligned output until the dispatcher moves it into the task's leading arguments.
+    refs_ref: Any = None
+    n_refs: int = 0
+    own: Any = None
 
     def materialize(self, lengths: tuple = ()) -> Any:
-        picks: list = [(k, None) for k in range(len(self.refs))]
+        picks: list = [(k, None) for k in range(len(self.refs) if self.refs is not None else self.n_refs)]
         if self.window is not None:
             lens = (self.const_lengths if self.const_lengths is not None
                     else list(lengths[self.length_slots[0]:self.length_slots[1]]))
             if all(isinstance(x, int) for x in lens):  # else not sliceable: take it whole
                 picks = self.window.pieces(lens)
         fetch_ks = [k for k, _ in picks if k != self.aligned or self.aligned_slot is None]
+        if fetch_ks and self.refs is None:
+            self.refs = ray.get(self.refs_ref)
         got = dict(zip(fetch_ks, pull([self.refs[k] for k in fetch_ks], self.producer, self.method,
                                       [self.ranks[k] if self.ranks else None for k in fetch_ks]),
                        strict=True))

@@ -79,6 +79,29 @@ def _nbytes(obj: Any, depth: int = 0) -> int:
     return 64
 
 
+def _strip_own_gang(per_worker: list[tuple[tuple, dict]], gang: GangRef) -> list[tuple[tuple, dict]]:
+    """Send this gang's own LazyResults to its dispatcher without their GangRef (``gang=None``).
+
+    The dispatcher knows its own gang; the GangRef's actor handle and mesh would be pickled
+    here and unpickled there on every chained call. Other values pass unchanged.
+    """
+    light: dict[int, LazyResult] = {}
+
+    def conv(v: Any) -> Any:
+        if not isinstance(v, LazyResult) or v.gang is not gang:
+            return v
+        c = light.get(id(v))
+        if c is None:  # one copy per value, so the dispatcher routes it once
+            c = light[id(v)] = LazyResult(v._plan_ref, collect=v.collect, gang=None, method=v.method,
+                                          timeout=v.timeout, out=v._out, turn=v._turn)
+        return c
+
+    if not any(isinstance(v, LazyResult) for a, kw in per_worker for v in (*a, *kw.values())):
+        return per_worker
+    return [(tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()})
+            for args, kwargs in per_worker]
+
+
 def put_large(per_worker: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
     """Replace large top-level argument values by ObjectRefs, one ``ray.put`` per object.
 
@@ -195,7 +218,7 @@ class GangProxy:
                 spec.dispatch, g.n_workers, args, kwargs, device_mesh=g.mesh,
                 gpus_per_worker=g.gpus_per_worker, method=name, group=g.group,
             )
-        per_worker = put_large(per_worker)
+        per_worker = _strip_own_gang(put_large(per_worker), g)
         execute = "first" if self._execute == "first" else spec.execute
         caller = _caller() if execute == "peer" else None
         try:
