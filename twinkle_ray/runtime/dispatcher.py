@@ -26,6 +26,7 @@ Example (what GangProxy does)::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -305,15 +306,10 @@ class Dispatcher:
     async def save_state(self, path: str | None = None, turn: tuple[str, int] | None = None) -> int:
         """Keep every rank's ``state_dict()`` (ObjectRefs this actor owns, or files under
         ``path``) for the restore after a rebuild. Taken in call order; returns the rank count."""
-        if turn is not None:
-            await self._wait_turn(*turn)
-        try:
+        async with self._turn(turn):
             workers = await self._running_workers()
             self.seq += 1
             outs = [w.save_state.options(num_returns=2).remote(path) for w in workers]
-        finally:
-            if turn is not None:
-                await self._end_turn(turn[0])
         await _all_or_first_error([ok for _, ok in outs])  # tiny flags; the states stay put
         self.saved = [state for state, _ in outs]
         return len(outs)
@@ -335,16 +331,8 @@ class Dispatcher:
 
     def proxy(self):
         """A GangProxy for this gang, for callers that found it by name (GangProxy.lookup)."""
-        gang = GangRef(
-            group=self.spec.group.name,
-            cls_name=self.spec.cls_name,
-            dispatcher=ray.get_runtime_context().current_actor,
-            mesh=self.spec.mesh,
-            gpus_per_worker=self.spec.group.gpus_per_worker,
-            n_workers=len(self.spec.slots),
-        )
         execute = "first" if len(self.spec.slots) == 1 else "all"
-        return GangProxy(self.spec.cls, gang, execute, True, self.describe())
+        return GangProxy(self.spec.cls, self._own_gang(), execute, True, self.describe())
 
     def describe(self) -> dict:
         """The gang's topology: one row per rank."""
@@ -397,9 +385,7 @@ class Dispatcher:
         unknown); outputs get a length record only when routing them may slice
         by length (each record is one more ObjectRef the caller borrows).
         """
-        if turn is not None:
-            await self._wait_turn(*turn)
-        try:
+        async with self._turn(turn):
             workers = await self._running_workers()
             n = len(workers)
             if execute == "first":
@@ -424,16 +410,11 @@ class Dispatcher:
                     lead = lengths + _aligned_refs(len(lengths), args, kwargs)
                 head = (method, self.seq, len(lead))
                 if with_meta:
-                    payload, meta = submit[i].remote(
-                        head, *lead, *args, **kwargs
-                    )
+                    payload, meta = submit[i].remote(head, *lead, *args, **kwargs)
                     metas.append(meta)
                 else:
                     payload = submit[i].remote(head, *lead, *args, **kwargs)
                 refs.append(payload)
-        finally:
-            if turn is not None:
-                await self._end_turn(turn[0])
         ended = False
         if wait_meta:
             ended = any(m == END_OF_ITERATION for m in await asyncio.gather(*metas))
@@ -461,13 +442,26 @@ class Dispatcher:
         return bound
 
     def _own_gang(self) -> GangRef:
-        """This gang's GangRef (its callers send its own LazyResults without one)."""
+        """This gang's GangRef (for proxies; its callers send its own LazyResults without one)."""
         if self._gang_ref is None:
             spec = self.spec
             self._gang_ref = GangRef(spec.group.name, spec.cls_name,
                                      ray.get_runtime_context().current_actor, spec.mesh,
                                      spec.group.gpus_per_worker, len(spec.slots))
         return self._gang_ref
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, turn: tuple[str, int] | None):
+        """Hold the caller's turn: wait until its previous call was submitted, and pass the
+        turn on when the body ends (whatever happened in it). None: no order to keep."""
+        if turn is None:
+            yield
+            return
+        await self._wait_turn(*turn)
+        try:
+            yield
+        finally:
+            self._end_turn(turn[0])
 
     async def _wait_turn(self, caller: str, seq: int) -> None:
         if self._turns.get(caller, 0) >= seq:  # its turn already (the usual case): no wait
@@ -481,7 +475,7 @@ class Dispatcher:
         finally:
             self._turn_waiters.pop((caller, seq), None)
 
-    async def _end_turn(self, caller: str) -> None:
+    def _end_turn(self, caller: str) -> None:
         nxt = self._turns.get(caller, 0) + 1
         self._turns[caller] = nxt
         fut = self._turn_waiters.get((caller, nxt))
