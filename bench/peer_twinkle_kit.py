@@ -1,0 +1,361 @@
+"""twinkle_ray against twinkle-kit (ModelScope Twinkle's own infra), same workload, one Ray session.
+
+Not part of ``python -m bench`` and not run by the tests: it needs twinkle-kit,
+which lives in its own venv (commands in BENCHMARKS.md, "Against twinkle-kit
+0.5.1")::
+
+    cd /work/main && /tmp/tk-venv/bin/python -m bench.peer_twinkle_kit [--quick] [--json]
+
+Both frameworks run in one interpreter on one local Ray (loopback only, 64
+virtual CPUs; twinkle-kit's CPU resource manager wants ``CPU // 4 >=
+ncpu_proc_per_node`` on a node). Every figure is a median of interleaved runs
+(:mod:`bench.timing`); ratio = twinkle_ray / twinkle-kit.
+
+- **start-up**: constructor call until a first no-op call on all 4 workers has
+  answered (twinkle-kit's constructor returns before its actors are up, so the
+  first call is part of both sides' time). Placement groups are reserved
+  beforehand on both sides (twinkle-kit reserves them in ``initialize``).
+  Three variants: each framework's default on CPU (twinkle_ray: a gloo
+  process group; twinkle-kit: none, it only sets RANK/WORLD_SIZE, no
+  MASTER_ADDR on CPU), both without torch.distributed, and both with gloo
+  (twinkle-kit: the class's ``__init__`` calls ``init_process_group`` with a
+  port the driver picks, as a user of it would).
+- **per call**: a no-op on 4 workers, call + result. Also the same twinkle-kit
+  actors called with plain Ray, and the *one-hop floor* (``bench.whatif.Hop``:
+  a bare forwarding actor in front of those actors, refs back).
+- **flow**: a producer gang (4 workers, dp=4, ``collect='flatten'``) returns a
+  list of 1 MB float32 chunks (dicts ``{'x': ndarray, 'tag': Tracer}``, the
+  list-of-samples shape both frameworks slice by dp rank); its lazy result is
+  passed to a consumer gang (2 workers, dp=2, ``dispatch='slice_dp'``) that
+  returns the sum of its slice. Time from the producer call to the consumer's
+  value. A traced run per side then counts which processes unpickled how many
+  payload bytes (:mod:`bench.payload`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import ray
+import twinkle  # twinkle-kit
+from ray.util.state import list_actors
+from twinkle import DeviceGroup as TkGroup
+from twinkle import DeviceMesh as TkMesh
+from twinkle import remote_class as tk_remote_class
+from twinkle import remote_function as tk_remote_function
+
+import twinkle_ray as tr
+from bench import payload
+from bench.timing import compare, compare_many, ratios
+from bench.whatif import Hop
+from twinkle_ray import DeviceGroup as TrGroup
+from twinkle_ray import DeviceMesh as TrMesh
+from twinkle_ray import remote_class as tr_remote_class
+from twinkle_ray import remote_function as tr_remote_function
+
+NAMESPACE = "twinkle-peer-bench"
+CHUNK_ROWS, CHUNK_COLS = 1024, 256  # 1 MB float32 per chunk
+
+
+def _chunks(n_mb: int, trace_dir: str) -> list[dict]:
+    return [payload.make_batch(CHUNK_ROWS, CHUNK_COLS, trace_dir) for _ in range(n_mb)]
+
+
+def _slice_sum(batch: list[dict]) -> float:
+    return float(sum(float(d["x"].sum()) for d in batch))
+
+
+def _init_dist(port: int) -> None:
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
+# ---------------------------------------------------------------------------- twinkle-kit classes
+@tk_remote_class()
+class TkWorker:
+    def __init__(self, device_mesh: twinkle.DeviceMesh = None, master_port: int = 0, **kwargs):
+        # **kwargs: Ray checks the signature against remote_group, which twinkle-kit pops only in the worker
+        self.device_mesh = device_mesh  # twinkle-kit re-dispatches slice_dp in the worker with it
+        self.cached = None
+        if master_port:
+            _init_dist(master_port)
+
+    @tk_remote_function(dispatch="all", collect="none")
+    def noop(self):
+        return None
+
+    @tk_remote_function(dispatch="all", collect="none")
+    def pid(self):
+        return os.getpid()
+
+    @tk_remote_function(dispatch="all", collect="flatten")
+    def produce(self, n_mb: int, trace_dir: str):
+        if self.cached is None:
+            self.cached = _chunks(n_mb, trace_dir)
+        return self.cached
+
+    @tk_remote_function(dispatch="slice_dp", collect="sum")
+    def consume(self, batch):
+        return _slice_sum(batch)
+
+
+# ---------------------------------------------------------------------------- twinkle_ray classes
+class _TrBase:
+    def __init__(self, device_mesh=None, master_port: int = 0):
+        self.device_mesh = device_mesh
+        self.cached = None
+
+    @tr_remote_function(dispatch="all", collect="none")
+    def noop(self):
+        return None
+
+    @tr_remote_function(dispatch="all", collect="none")
+    def pid(self):
+        return os.getpid()
+
+    @tr_remote_function(dispatch="all", collect="flatten")
+    def produce(self, n_mb: int, trace_dir: str):
+        if self.cached is None:
+            self.cached = _chunks(n_mb, trace_dir)
+        return self.cached
+
+    @tr_remote_function(dispatch="slice_dp", collect="sum")
+    def consume(self, batch):
+        return _slice_sum(batch)
+
+
+TrWorker = tr_remote_class()(type("TrWorker", (_TrBase,), {}))  # default: gloo when > 1 worker
+TrPlain = tr_remote_class(distributed=False)(type("TrPlain", (_TrBase,), {}))
+
+
+# ---------------------------------------------------------------------------- helpers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive() -> int:
+    gcs = ray.get_runtime_context().gcs_address
+    return len(list_actors(address=gcs, filters=[("state", "=", "ALIVE")], limit=10_000))
+
+
+def _wait_alive(n: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _alive() > n and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _fmt(s: float) -> str:
+    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
+
+
+# ---------------------------------------------------------------------------- (a) start-up
+def bench_startup(repeats: int, variants: list[str], warmup: int = 1) -> list[dict]:
+    n = 4
+    rows = []
+    counter = iter(range(10**6))
+    holder: dict = {}
+    for variant in variants:
+
+        def tk_start(variant=variant):
+            port = _free_port() if variant == "gloo" else 0
+            h = TkWorker(device_mesh=TkMesh.from_sizes(dp_size=n), master_port=port, remote_group="tk_start",
+                         instance_id=f"s{next(counter)}")
+            h.noop()()
+            holder["tk"] = h
+
+        def tr_start(variant=variant):
+            cls = TrPlain if variant == "none" else TrWorker
+            g = cls(device_mesh=TrMesh.from_sizes(dp_size=n), remote_group="tr_start")
+            g.noop().get()
+            holder["tr"] = g
+
+        def tk_before():
+            holder["tk_base"] = _alive()
+
+        def tk_after():
+            for a in holder.pop("tk")._actors:
+                ray.kill(a, no_restart=True)
+            _wait_alive(holder["tk_base"])
+
+        def tr_before():
+            holder["tr_base"] = _alive()
+            tr.initialize("ray", groups=[TrGroup("tr_start", n, "cpu")], namespace=NAMESPACE)
+
+        def tr_after():
+            holder.pop("tr")
+            tr.shutdown()  # as B5: kills the gang, removes its placement group (Ray stays: we started it)
+            _wait_alive(holder["tr_base"])
+
+        r = compare(tr_start, tk_start, repeats=repeats, warmup=warmup, before=(tr_before, tk_before),
+                    after=(tr_after, tk_after))
+        what = {"default": "each default on CPU (twinkle_ray: gloo; twinkle-kit: none)",
+                "none": "no torch.distributed on both", "gloo": "gloo process group on both"}[variant]
+        rows.append({"name": f"start-up, 4 workers, {what}", "twinkle_ray_s": r["twinkle_s"],
+                     "twinkle_kit_s": r["raw_s"], "ratio": r["ratio"], "paired_ratio": r["paired_ratio"],
+                     "target": "<= 0.6x", "ok": r["ratio"] <= 0.6,
+                     "samples": {"twinkle_ray": r["twinkle_samples"], "twinkle_kit": r["raw_samples"]}})
+    return rows
+
+
+# ---------------------------------------------------------------------------- (b) per call
+def bench_call(repeats: int) -> list[dict]:
+    n = 4
+    tk = TkWorker(device_mesh=TkMesh.from_sizes(dp_size=n), remote_group="tk_call", instance_id="call")
+    trg = TrPlain(device_mesh=TrMesh.from_sizes(dp_size=n), remote_group="tr_call")
+    tk.noop()()
+    hop = Hop.options(max_concurrency=1000).remote(tk._actors)
+    actors = tk._actors
+    sides = {
+        "twinkle_ray": lambda: trg.noop().get(),
+        "twinkle_kit": lambda: tk.noop()(),
+        "raw": lambda: ray.get([a.noop.remote() for a in actors]),
+        "floor": lambda: ray.get(ray.get(hop.refs.remote())),
+    }
+    s = compare_many(sides, repeats=repeats, warmup=10)
+    med = {k: statistics.median(v) for k, v in s.items()}
+    rows = []
+    for key, label in (("twinkle_ray", "per call: no-op on 4 workers, call + result"),
+                       ("raw", "  plain Ray on twinkle-kit's actors (its floor)"),
+                       ("floor", "  one-hop floor: bare forwarding actor in front of them, refs back")):
+        ratio, paired = ratios(s[key], s["twinkle_kit"])
+        row = {"name": label, "twinkle_ray_s": med[key], "twinkle_kit_s": med["twinkle_kit"],
+               "ratio": ratio, "paired_ratio": paired, "samples": s[key]}
+        if key == "twinkle_ray":
+            fr, fp = ratios(s["twinkle_ray"], s["floor"])
+            row.update(vs_floor=fr, vs_floor_paired=fp, target="<= 1.0x one-hop floor", ok=fr <= 1.0,
+                       twinkle_kit_samples=s["twinkle_kit"])
+        rows.append(row)
+    trg.close()
+    for a in actors:
+        ray.kill(a, no_restart=True)
+    ray.kill(hop)
+    return rows
+
+
+# ---------------------------------------------------------------------------- (c) flow
+def bench_flow(total_mb: int, repeats: int) -> list[dict]:
+    trace_dir = tempfile.mkdtemp(prefix="peer-trace-")
+    per = total_mb // 4
+    tk_p = TkWorker(device_mesh=TkMesh.from_sizes(dp_size=4), remote_group="tk_prod", instance_id="prod")
+    tk_c = TkWorker(device_mesh=TkMesh.from_sizes(dp_size=2), remote_group="tk_cons", instance_id="cons")
+    tr_p = TrPlain(device_mesh=TrMesh.from_sizes(dp_size=4), remote_group="tr_prod")
+    tr_c = TrPlain(device_mesh=TrMesh.from_sizes(dp_size=2), remote_group="tr_cons")
+    expected = float(total_mb * CHUNK_ROWS * CHUNK_COLS)
+
+    def tk_flow():
+        got = tk_c.consume(tk_p.produce(per, trace_dir))()
+        assert got == expected, (got, expected)
+
+    def tr_flow():
+        got = tr_c.consume(tr_p.produce(per, trace_dir)).get()
+        assert got == expected, (got, expected)
+
+    r = compare(tr_flow, tk_flow, repeats=repeats, warmup=2)
+    row = {"name": f"flow: dp=4 producer -> dp=2 consumer, {total_mb} MB, call to value",
+           "twinkle_ray_s": r["twinkle_s"], "twinkle_kit_s": r["raw_s"], "ratio": r["ratio"],
+           "paired_ratio": r["paired_ratio"], "target": "<= 0.6x", "ok": r["ratio"] <= 0.6,
+           "samples": {"twinkle_ray": r["twinkle_samples"], "twinkle_kit": r["raw_samples"]}}
+
+    # payload path: one traced run per side
+    driver = os.getpid()
+    paths = {}
+    for side, fn, cons, prod in (("twinkle_ray", tr_flow, tr_c, tr_p), ("twinkle_kit", tk_flow, tk_c, tk_p)):
+        cons_pids = set(cons.pid().get() if side == "twinkle_ray" else cons.pid()())
+        prod_pids = set(prod.pid().get() if side == "twinkle_ray" else prod.pid()())
+        payload.clear(trace_dir)
+        fn()
+        got = payload.bytes_by_pid(trace_dir)
+        paths[side] = {
+            "driver_mb": got.get(driver, 0) / 2**20,
+            "consumers_mb": sum(v for p, v in got.items() if p in cons_pids) / 2**20,
+            "producers_mb": sum(v for p, v in got.items() if p in prod_pids) / 2**20,
+            "other_mb": sum(v for p, v in got.items() if p not in cons_pids | prod_pids | {driver}) / 2**20,
+        }
+    row["payload"] = paths
+    tr_p.close()
+    tr_c.close()
+    for a in tk_p._actors + tk_c._actors:
+        ray.kill(a, no_restart=True)
+    return [row]
+
+
+# ---------------------------------------------------------------------------- main
+def table(rows: list[dict]) -> str:
+    out = ["| benchmark | twinkle_ray | twinkle-kit 0.5.1 | ratio | target | |", "|---|---:|---:|---:|---|---|"]
+    for r in rows:
+        target, ok = r.get("target", ""), ""
+        if "ok" in r:
+            ok = "ok" if r["ok"] else "miss"
+        ratio = f"{r['ratio']:.2f}x"
+        if "vs_floor" in r:
+            target = f"{target} (this row {r['vs_floor']:.2f}x the floor)"
+        out.append(f"| {r['name']} | {_fmt(r['twinkle_ray_s'])} | {_fmt(r['twinkle_kit_s'])} | {ratio} "
+                   f"| {target} | {ok} |")
+    for r in rows:
+        if "payload" in r:
+            for side, p in r["payload"].items():
+                out.append(f"\npayload unpickled, {side}: driver {p['driver_mb']:.0f} MB, consumer workers "
+                           f"{p['consumers_mb']:.0f} MB, producers {p['producers_mb']:.0f} MB, "
+                           f"other processes {p['other_mb']:.0f} MB")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats, 16 MB flow (about 1.5 minutes)")
+    ap.add_argument("--json", action="store_true", help="one JSON line on stdout, the table on stderr")
+    ap.add_argument("--only", default="startup,call,flow", help="comma list of startup, call, flow")
+    args = ap.parse_args(argv)
+    only = set(args.only.split(","))
+    load = os.getloadavg()
+    t0 = time.monotonic()
+    ray.init(address="local", num_cpus=64, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
+    twinkle.initialize(mode="ray", ncpu_proc_per_node=16, groups=[
+        TkGroup(name="tk_start", ranks=4, device_type="CPU"), TkGroup(name="tk_call", ranks=4, device_type="CPU"),
+        TkGroup(name="tk_prod", ranks=4, device_type="CPU"), TkGroup(name="tk_cons", ranks=2, device_type="CPU")])
+    rows: list[dict] = []
+    try:
+        if "startup" in only:  # first: each twinkle_ray start-up ends with tr.shutdown()
+            if args.quick:
+                rows += bench_startup(2, ["default", "none"], warmup=0)
+            else:
+                rows += bench_startup(4, ["default", "none"]) + bench_startup(2, ["gloo"])
+            print(table(rows), file=sys.stderr, flush=True)  # partial results survive a long run
+        tr.initialize("ray", groups=[TrGroup("tr_call", 4, "cpu"), TrGroup("tr_prod", 4, "cpu"),
+                                     TrGroup("tr_cons", 2, "cpu")], namespace=NAMESPACE)
+        if "call" in only:
+            rows += bench_call(60 if args.quick else 200)
+        if "flow" in only:
+            rows += bench_flow(16, 7) if args.quick else bench_flow(64, 21)
+    finally:
+        tr.shutdown()
+        ray.shutdown()
+    info = {"load_avg_start": load, "load_avg_end": os.getloadavg(), "wall_s": time.monotonic() - t0,
+            "python": sys.version.split()[0], "ray": ray.__version__,
+            "twinkle_kit": subprocess.run([sys.executable, "-m", "pip", "show", "twinkle-kit"], capture_output=True,
+                                          text=True).stdout.split("Version: ")[-1].split("\n")[0]}
+    text = table(rows) + f"\n\nload average at start {load[0]:.1f}, at end {info['load_avg_end'][0]:.1f}; " \
+                         f"{info['wall_s']:.0f} s"
+    if args.json:
+        print(text, file=sys.stderr)
+        print(json.dumps({"info": info, "rows": rows}))
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
