@@ -93,8 +93,9 @@ class HeadNode:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ray start exited with {self.proc.returncode}: {self.log_text()}")
-            try:
-                if _get_json(f"{self.dashboard}/api/version").get("ray_version"):
+            try:  # the dashboard answers before the raylet is up: wait for both
+                if (_get_json(f"{self.dashboard}/api/version").get("ray_version")
+                        and any("raylet" in cmd for _, cmd in self.processes())):
                     return
             except (OSError, ValueError):
                 pass

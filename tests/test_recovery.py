@@ -177,6 +177,7 @@ def test_exception_in_collective_tears_down_and_restart_works(runtime):
     assert not (set(g.ports()()) & old_ports)  # a fresh torch.distributed world
 
 
+@pytest.mark.slow  # 7-20 s each (gang rebuilds); the quick tier keeps the stuck-rank path
 def test_exception_in_collective_rebuilds_with_max_restarts(runtime):
     runtime.initialize(groups=_groups(("h", 2)))
     g = HealingColl(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="h")
@@ -192,6 +193,7 @@ def test_exception_in_collective_rebuilds_with_max_restarts(runtime):
     assert g.topology()["restarts"] == 1
 
 
+@pytest.mark.slow  # 7-20 s each (gang rebuilds); the quick tier keeps the stuck-rank path
 def test_exception_without_collective_keeps_the_gang(runtime):
     runtime.initialize(groups=_groups(("k", 2)))
     g = Coll(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="k")
@@ -204,6 +206,7 @@ def test_exception_without_collective_keeps_the_gang(runtime):
 
 
 # ---------------------------------------------------------------------------- 3. lazy flows
+@pytest.mark.slow  # 7-20 s each (gang rebuilds); the quick tier keeps the stuck-rank path
 def test_producer_death_names_the_producer(runtime):
     runtime.initialize(groups=_groups(("p", 2), ("q", 2)))
     prod = Producer(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="p")
@@ -256,6 +259,7 @@ def _values(g) -> list:
     return [v.numpy().tobytes() for v in g.get_value()()]
 
 
+@pytest.mark.slow  # 7-20 s each (gang rebuilds); the quick tier keeps the stuck-rank path
 def test_saved_state_is_restored_bit_equal_after_automatic_rebuild(runtime):
     runtime.initialize(groups=_groups(("s", 2)))
     g = HealingColl(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="s")
@@ -279,6 +283,7 @@ def test_saved_state_is_restored_bit_equal_after_automatic_rebuild(runtime):
     assert not (set(g.pid()()) & set(pids))
 
 
+@pytest.mark.slow  # 7-20 s each (gang rebuilds); the quick tier keeps the stuck-rank path
 def test_saved_state_on_disk_is_restored_by_manual_restart(runtime, tmp_path):
     runtime.initialize(groups=_groups(("d", 2)))
     g = Coll(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="d")
@@ -291,6 +296,7 @@ def test_saved_state_on_disk_is_restored_by_manual_restart(runtime, tmp_path):
     assert _values(g) == saved
 
 
+@pytest.mark.slow  # 7-20 s each (gang rebuilds); the quick tier keeps the stuck-rank path
 def test_save_state_without_state_dict_names_the_class(runtime):
     runtime.initialize(groups=_groups(("n", 2)))
     g = Consumer(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="n")
@@ -308,6 +314,7 @@ def _sync_pair(runtime, fail_load_on=None):
     return trainer, sampler, ws
 
 
+@pytest.mark.slow  # 7-20 s each (gang rebuilds); the quick tier keeps the stuck-rank path
 def test_sync_exception_on_sampler_ends_both_sides(runtime):
     trainer, sampler, ws = _sync_pair(runtime, fail_load_on=1)
     t0 = time.monotonic()
@@ -320,6 +327,7 @@ def test_sync_exception_on_sampler_ends_both_sides(runtime):
     assert trainer.weight_sum().get(timeout=LIMIT_S) is not None  # the trainer is usable
 
 
+@pytest.mark.slow  # 7-20 s each (gang rebuilds); the quick tier keeps the stuck-rank path
 def test_sampler_killed_during_sync_ends_both_sides_and_restart_syncs(runtime):
     trainer, sampler, ws = _sync_pair(runtime)
     ws.sync()  # channel set up and used once
