@@ -10,22 +10,5 @@ Example::
     mesh = create_fsdp2_mesh(world_size=8, tp_size=2)
 """
 
-from .core.mesh_factory import (
-    FSDP2_DIMS,
-    MEGATRON_FSDP_DIMS,
-    MOE_DIMS,
-    create_device_mesh,
-    create_fsdp2_mesh,
-    create_megatron_fsdp_mesh,
-    create_moe_mesh,
-)
-
-__all__ = [
-    "FSDP2_DIMS",
-    "MEGATRON_FSDP_DIMS",
-    "MOE_DIMS",
-    "create_device_mesh",
-    "create_fsdp2_mesh",
-    "create_megatron_fsdp_mesh",
-    "create_moe_mesh",
-]
+from .core.mesh_factory import *  # noqa: F403  (its __all__, kept in one place)
+from .core.mesh_factory import __all__  # noqa: F401

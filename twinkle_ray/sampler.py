@@ -9,6 +9,5 @@ Example::
     sampler = DeviceMeshSampler(8, batch_size=4, data_world_size=2)
 """
 
-from .core.sampler import DeviceMeshSampler, StreamBatcher, batch_bounds
-
-__all__ = ["DeviceMeshSampler", "StreamBatcher", "batch_bounds"]
+from .core.sampler import *  # noqa: F403  (its __all__, kept in one place)
+from .core.sampler import __all__  # noqa: F401
