@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import time
 
-# Ray binds every service to loopback (before ray is imported anywhere).
+# Ray binds every service to loopback (read when ray is imported: before that, here). Ray 2.60 has
+# no public ray.init argument for it; twinkle_ray.initialize() sets it for its embedded Ray the same way.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Every Ray process exports its metrics every 2 s (Ray: 10 s), so test_metrics sees a value soon
@@ -33,6 +34,7 @@ def ray_session():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",  # our own Ray, whatever a stale /tmp/ray/ray_current_cluster names
             num_cpus=NUM_CPUS,
             num_gpus=NUM_GPUS,
             include_dashboard=True,

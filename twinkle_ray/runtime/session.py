@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -104,8 +105,11 @@ def initialize(
     mode='ray': use Ray if already initialised here; else attach when
     ``address`` or RAY_ADDRESS is set (resource arguments are then ignored:
     the cluster declares its resources); else start an embedded local Ray
-    with ``ray_init_kwargs`` (e.g. ``num_gpus=8`` for virtual GPUs), its
-    dashboard on 127.0.0.1. Every group's placement group is ready before this
+    with ``ray_init_kwargs`` (e.g. ``num_gpus=8`` for virtual GPUs): always a
+    new private instance (``ray.init(address='local')``; a stale
+    ``/tmp/ray/ray_current_cluster`` of a stopped cluster is not followed),
+    every one of its servers and our gangs' rendezvous listening on 127.0.0.1
+    only (see ``_start_embedded`` for the one Ray setting this needs). Every group's placement group is ready before this
     returns, or PlacementError is raised and nothing stays reserved.
 
     ``namespace`` is where gang actors are named; it defaults to the Ray
@@ -168,12 +172,13 @@ def _extend(rt: Runtime, mode: str, new: list[DeviceGroup]) -> None:
 
 def _connect(address: str | None, namespace: str | None, kwargs: dict) -> bool:
     """Connect to or start Ray; True if this call started it."""
-    import ray
-
-    if ray.is_initialized():
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
+        import ray
+
         dropped = [k for k in _RESOURCE_KWARGS if k in kwargs]
         if dropped:
             logger.info("attaching to Ray at %s: ignoring %s (the cluster declares resources)",
@@ -181,10 +186,53 @@ def _connect(address: str | None, namespace: str | None, kwargs: dict) -> bool:
         rest = {k: v for k, v in kwargs.items() if k not in _RESOURCE_KWARGS}
         ray.init(address=address, namespace=namespace, **rest)
         return False
-    kwargs.setdefault("dashboard_host", "127.0.0.1")
-    kwargs.setdefault("log_to_driver", True)
-    ray.init(namespace=namespace, **kwargs)
+    _start_embedded(namespace, kwargs)
     return True
+
+
+# Ray 2.60 has no public ray.init argument that keeps a local instance on loopback: its node
+# address (and so the address every GCS, raylet, worker and agent server binds) is the machine's
+# external address on Linux, and ``_node_ip_address='127.0.0.1'`` is private and turned back into
+# the external address. What Ray does on macOS and Windows ("local Ray only") is switched on for
+# Linux by this environment variable, read once when ``ray`` is imported.
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _start_embedded(namespace: str | None, kwargs: dict) -> None:
+    """Start a private local Ray whose every server listens on 127.0.0.1.
+
+    ``address='local'`` starts a new instance whatever ``/tmp/ray/ray_current_cluster`` names
+    (a stopped ``ray start`` cluster leaves it behind). ``LOOPBACK_ENV=0`` is set while ray is
+    imported and started (the started processes inherit it), unless the caller set it; if ray
+    was imported before without it, Ray's node address is already fixed: we warn and go on.
+    """
+    saved = os.environ.get(LOOPBACK_ENV)
+    if saved is None:
+        os.environ[LOOPBACK_ENV] = "0"
+    try:
+        import ray
+
+        node_ip = ray.util.get_node_ip_address()
+        if saved is None and not _is_loopback(node_ip):
+            logger.warning(
+                "twinkle_ray: ray was imported before initialize() without %s=0, so the embedded Ray "
+                "listens on %s, not only on 127.0.0.1; set %s=0 before importing ray (or import "
+                "ray after initialize()) to keep it on loopback", LOOPBACK_ENV, node_ip, LOOPBACK_ENV)
+        kwargs.setdefault("dashboard_host", "127.0.0.1")
+        kwargs.setdefault("log_to_driver", True)
+        ray.init(address="local", namespace=namespace, **kwargs)
+    finally:
+        if saved is None:
+            os.environ.pop(LOOPBACK_ENV, None)
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _reserve(rt: Runtime, groups: list[DeviceGroup]) -> None:

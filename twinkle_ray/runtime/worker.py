@@ -138,12 +138,16 @@ class GangWorker:
                 backend = "hccl"
             except ImportError:
                 backend = "gloo"
+        rendezvous: dict[str, Any] = {
+            "init_method": f"tcp://{_url_host(self.info.master_addr)}:{os.environ['MASTER_PORT']}"}
+        if _is_loopback(self.info.master_addr):  # one node: keep the store and gloo on loopback
+            rendezvous = {"store": _loopback_store(self.info, int(os.environ["MASTER_PORT"]), timeout_s)}
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://{_url_host(self.info.master_addr)}:{os.environ['MASTER_PORT']}",
             rank=self.info.rank,
             world_size=self.info.world_size,
             timeout=timedelta(seconds=timeout_s),
+            **rendezvous,
         )
         return backend
 
@@ -336,3 +340,39 @@ def make_worker(
         ),
         **resource_options(resource_name if amount else None, amount, cpus),
     ).remote(info)
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _loopback_store(info: WorkerInfo, port: int, timeout_s: float):
+    """The rendezvous TCPStore of a one-node gang, listening on 127.0.0.1 only.
+
+    torch's TCPStore server binds every interface for a host name; rank 0
+    binds the port on loopback itself and hands the socket over
+    (``master_listen_fd``). Gloo's pairs go on the loopback interface too
+    (``GLOO_SOCKET_IFNAME``, unless set).
+    """
+    import torch.distributed as dist
+
+    names = {name for _, name in socket.if_nameindex()}
+    lo = next((n for n in ("lo", "lo0") if n in names), None)  # Linux, macOS
+    if lo is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+    common = dict(host_name="127.0.0.1", port=port, world_size=info.world_size,
+                  timeout=timedelta(seconds=timeout_s))
+    if info.rank != 0:
+        return dist.TCPStore(is_master=False, **common)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(max(64, info.world_size))
+    store = dist.TCPStore(is_master=True, master_listen_fd=listener.fileno(), **common)
+    listener.detach()  # the store owns the socket now
+    return store
