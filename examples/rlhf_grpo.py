@@ -28,10 +28,23 @@ metrics.
     python examples/rlhf_grpo.py --quick         # 20 steps, larger learning rate
     python examples/rlhf_grpo.py --ray-data      # prompts from a Ray Data dataset
     python examples/rlhf_grpo.py --chaos         # SIGKILL a trainer/sampler worker every 5 steps
+    python examples/rlhf_grpo.py --checkpoint-dir /tmp/grpo   # a checkpoint every 5 steps
+    python examples/rlhf_grpo.py --checkpoint-dir /tmp/grpo --resume   # after the driver died
     ray job submit --working-dir . -- python examples/rlhf_grpo.py   # on a cluster
 
 It prints one line per step and the reward curve at the end (text, and a
-PNG when matplotlib is installed).
+PNG when matplotlib is installed). The last line is ``RESULT {json}``:
+``steps``, ``resumed_from`` (the checkpoint's step, or null), ``rewards`` (the
+mean reward of every step of the run, those before a resume included).
+
+``--checkpoint-dir DIR`` saves a checkpoint every ``--checkpoint-every`` steps
+and after the last: ``DIR/step-000010/`` holds every trainer rank's model
+(with its policy version) and optimizer, every sampler rank's sampling RNG,
+the loader's position, the reward history and the driver's RNGs; it is
+written under a temporary name and renamed when complete (see
+examples/checkpointing.py and twinkle_ray.checkpoint). ``--resume`` continues
+after the newest complete checkpoint (a torn one is skipped): with the same
+seed, the steps after it give the same rewards as an uninterrupted run.
 
 ``--chaos`` runs the same loop with ``max_restarts`` on the trainer and
 sampler gangs and SIGKILLs a random worker of one of them at a random moment
@@ -51,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import random
 import signal
@@ -60,9 +74,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+import checkpointing  # examples/ is on sys.path
 import numpy as np
 import torch
-from reward_report import reward_curve, save_plot  # examples/ is on sys.path
+from reward_report import reward_curve, save_plot
 
 import twinkle_ray as twinkle
 from twinkle_ray import DeviceGroup, DeviceMesh, WorkerDiedError, remote_class, remote_function
@@ -137,6 +152,18 @@ class Sampler(WeightSyncMixin):
         answers, logp = self.model.generate(p, self.gen)
         version = np.full(len(p), int(self.model.version))
         return {"prompt": p.numpy(), "answer": answers.numpy(), "logp": logp.numpy(), "version": version}
+
+    # A checkpoint keeps the sampling stream (the weights come back with the next sync).
+    def state_dict(self) -> dict:
+        return {"gen": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.gen.set_state(state["gen"])
+
+    @remote_function(dispatch="all", collect="first")
+    def load_rank_state(self, path: str) -> None:
+        """Load this rank's file of a ``save_state(path)`` (resuming from a checkpoint)."""
+        load_rank_file(self, path)
 
 
 @remote_class()
@@ -216,6 +243,16 @@ class Trainer(WeightSyncMixin):
         self.opt.load_state_dict(state["opt"])
         self.last_metrics = dict(state["metrics"])
 
+    @remote_function(dispatch="all", collect="first")
+    def load_rank_state(self, path: str) -> None:
+        """Load this rank's file of a ``save_state(path)`` (resuming from a checkpoint)."""
+        load_rank_file(self, path)
+
+
+def load_rank_file(instance, path: str) -> None:
+    """``instance.load_state_dict`` of this rank's ``rank<r>.pt`` under ``path`` (what save_state(path) wrote)."""
+    instance.load_state_dict(torch.load(os.path.join(path, f"rank{twinkle.get_rank()}.pt"), weights_only=False))
+
 
 # --chaos: the same classes, rebuilt by their dispatchers after a worker dies.
 CHAOS_MAX_RESTARTS = 1000
@@ -277,21 +314,33 @@ def build(*, lr: float, batch_size: int, group_size: int, entropy_coef: float, s
 
 def run(steps: int = 100, *, lr: float = 0.005, batch_size: int = 16, group_size: int = 8,
         entropy_coef: float = 0.05, seed: int = 0, num_prompts: int = 4096, ray_data: bool = False,
+        checkpoint_dir: str | None = None, checkpoint_every: int = 5, resume: bool = False,
         log=print) -> dict:
-    """Train for ``steps`` steps; returns {'rewards': [...], 'sync': [SyncStats...], 'seconds': s}.
+    """Train for ``steps`` steps; returns {'rewards': [...], 'sync': [SyncStats...], 'seconds': s,
+    'resumed_from': step or None, 'checkpoints': [steps saved]}.
 
+    With ``checkpoint_dir``, a checkpoint is saved every ``checkpoint_every``
+    steps and after the last one (see examples/checkpointing.py); with
+    ``resume``, the run continues after the newest complete checkpoint there
+    (``rewards`` then holds the whole run, the steps before the resume included).
     Needs ``twinkle.initialize`` (with :func:`groups`) first.
     """
     loader, sampler, reward, trainer = build(
         lr=lr, batch_size=batch_size, group_size=group_size, entropy_coef=entropy_coef, seed=seed,
         num_prompts=num_prompts, ray_data=ray_data)
+    ckpt, latest = checkpointing.open_checkpoints(checkpoint_dir, resume)
+    saved_gangs = {"trainer": trainer, "sampler": sampler}
+    rewards, syncs, saves, first_step = [], [], [], 1
+    if latest is not None:
+        state = checkpointing.restore(latest, loader=loader, gangs=saved_gangs)
+        rewards, first_step = list(state["history"]), latest.step + 1
+        log(f"resumed from {latest.path}: step {latest.step}, policy version {trainer.status()()['version']}")
     first = sync_weights(trainer, sampler)  # sets up the trainer -> sampler group once
     log(f"weight sync set up: {first}")
 
-    rewards, syncs = [], []
     start = time.perf_counter()
     batches = endless(loader)
-    for step in range(1, steps + 1):
+    for step in range(first_step, steps + 1):
         t0 = time.perf_counter()
         prompts = next(batches)                       # LazyResult in the loader's worker
         rollouts = sampler.generate(prompts)          # each sampler pulls its half
@@ -301,7 +350,14 @@ def run(steps: int = 100, *, lr: float = 0.005, batch_size: int = 16, group_size
         rewards.append(metrics["reward"])
         syncs.append(stats)
         log(step_line(step, steps, metrics, stats, time.perf_counter() - t0))
-    return {"rewards": rewards, "sync": syncs, "seconds": time.perf_counter() - start}
+        if ckpt is not None and (step % checkpoint_every == 0 or step == steps):
+            t1 = time.perf_counter()
+            path = checkpointing.save(ckpt, step, loader=loader, gangs=saved_gangs,
+                                      version=trainer.status()()["version"], history=rewards)
+            saves.append(step)
+            log(f"checkpoint: step {step} saved in {path} ({time.perf_counter() - t1:.2f}s)")
+    return {"rewards": rewards, "sync": syncs, "seconds": time.perf_counter() - start,
+            "resumed_from": latest.step if latest is not None else None, "checkpoints": saves}
 
 
 def step_line(step: int, steps: int, metrics: dict, stats, seconds: float) -> str:
@@ -558,7 +614,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-every", type=int, default=5, help="with --chaos: steps between kills (default 5)")
     parser.add_argument("--plot", default=os.path.join(tempfile.gettempdir(), "rlhf_grpo_reward.png"),
                         help="where to save the PNG (when matplotlib is installed)")
+    add_checkpoint_args(parser)
     args = parser.parse_args(argv)
+    if args.chaos and (args.checkpoint_dir or args.resume):
+        parser.error("--checkpoint-dir/--resume go with the plain loop, not with --chaos")
+    if args.resume and not args.checkpoint_dir:
+        parser.error("--resume needs --checkpoint-dir")
+    if args.checkpoint_every < 1:
+        parser.error("--checkpoint-every must be >= 1")
     steps = args.steps or (20 if args.quick else 100)
     lr = args.lr or (0.01 if args.quick else 0.005)
 
@@ -571,7 +634,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.chaos:
             out = run_chaos(steps, kill_every=args.kill_every, lr=lr, seed=args.seed, ray_data=args.ray_data)
         else:
-            out = run(steps, lr=lr, seed=args.seed, ray_data=args.ray_data)
+            out = run(steps, lr=lr, seed=args.seed, ray_data=args.ray_data, checkpoint_dir=args.checkpoint_dir,
+                      checkpoint_every=args.checkpoint_every, resume=args.resume)
     finally:
         twinkle.shutdown()
     rewards = out["rewards"]
@@ -580,17 +644,30 @@ def main(argv: list[str] | None = None) -> int:
     print(reward_curve(rewards, baseline=RANDOM_POLICY_REWARD, window=5 if steps <= 40 else 10))
     k = max(1, min(5, len(rewards) // 4))
     print(f"mean reward: first {k} steps {np.mean(rewards[:k]):.3f} -> last {k} steps "
-          f"{np.mean(rewards[-k:]):.3f}  ({steps} steps in {out['seconds']:.1f}s)")
-    mb = syncs[-1].bytes / 1e6
-    rate = np.mean([s.gb_per_s for s in syncs])
-    print(f"weight sync: {mb:.2f} MB per step, mean {np.mean([s.seconds for s in syncs]) * 1e3:.1f} ms, "
-          f"{rate:.2f} GB/s ({syncs[-1].backend})")
+          f"{np.mean(rewards[-k:]):.3f}  ({len(syncs)} steps in {out['seconds']:.1f}s)")
+    if syncs:
+        mb = syncs[-1].bytes / 1e6
+        rate = np.mean([s.gb_per_s for s in syncs])
+        print(f"weight sync: {mb:.2f} MB per step, mean {np.mean([s.seconds for s in syncs]) * 1e3:.1f} ms, "
+              f"{rate:.2f} GB/s ({syncs[-1].backend})")
     png = save_plot(rewards, args.plot, baseline=RANDOM_POLICY_REWARD,
                     title='GRPO on CPU with twinkle_ray')
     print(f"reward curve PNG: {png}" if png else "reward curve PNG: skipped (matplotlib is not installed)")
+    result = {"steps": len(rewards), "resumed_from": out.get("resumed_from"), "rewards": rewards,
+              "checkpoints": out.get("checkpoints", []), "seconds": out["seconds"]}
+    print("RESULT " + json.dumps(result), flush=True)  # the last line (before the chaos: line with --chaos)
     if not args.chaos:
         return 0
     return chaos_report(out, steps)
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    """--checkpoint-dir, --checkpoint-every, --resume (see examples/checkpointing.py)."""
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="save a checkpoint (DIR/step-NNNNNN/, atomic) every --checkpoint-every steps")
+    parser.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (default 5)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue after the newest complete checkpoint in --checkpoint-dir")
 
 
 def chaos_report(out: dict, steps: int) -> int:
