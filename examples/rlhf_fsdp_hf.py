@@ -40,9 +40,17 @@ to the reward worker and the trainers. The driver reads each step's metrics.
 
     python examples/rlhf_fsdp_hf.py                # 120 steps, embedded Ray
     python examples/rlhf_fsdp_hf.py --quick        # 30 steps (under 2 minutes on 2 cores)
+    python examples/rlhf_fsdp_hf.py --checkpoint-dir /tmp/fsdp            # a checkpoint every 5 steps
+    python examples/rlhf_fsdp_hf.py --checkpoint-dir /tmp/fsdp --resume   # after the driver died
     ray job submit --working-dir . -- python examples/rlhf_fsdp_hf.py --quick   # on a cluster
 
-The last line is ``RESULT {json}`` (rewards, timings, sync figures, checkpoint).
+The last line is ``RESULT {json}`` (steps, resumed_from, rewards of every step
+of the run, timings, sync figures, HF checkpoint). ``--checkpoint-dir DIR``
+saves ``DIR/step-NNNNNN/`` atomically every ``--checkpoint-every`` steps: each
+trainer rank's FSDP2 shards and optimizer state (local tensors, loaded back in
+place), its policy version, each sampler rank's RNG, the loader's position and
+the driver's RNGs (examples/checkpointing.py); ``--resume`` continues after
+the newest complete one.
 """
 
 from __future__ import annotations
@@ -56,9 +64,10 @@ import sys
 import tempfile
 import time
 
+import checkpointing  # examples/ is on sys.path
 import numpy as np
 import torch
-from reward_report import reward_curve, save_plot  # examples/ is on sys.path
+from reward_report import reward_curve, save_plot
 
 import twinkle_ray as twinkle
 from twinkle_ray import DeviceGroup, DeviceMesh, remote_class, remote_function
@@ -173,6 +182,19 @@ class Sampler(WeightSyncMixin):
         return {"prompt": [p for p in prompts for _ in range(self.group_size)], "text": texts,
                 "prompt_ids": ids.numpy(), "answer_ids": answers.numpy(), "logp": logp.numpy()}
 
+    # A checkpoint keeps the sampling stream (HF generate draws from torch's global RNG); the
+    # weights come back with the next sync.
+    def state_dict(self) -> dict:
+        return {"torch_rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state["torch_rng"])
+
+    @remote_function(dispatch="all", collect="first")
+    def load_rank_state(self, path: str) -> None:
+        """Load this rank's file of a ``save_state(path)`` (resuming from a checkpoint)."""
+        load_rank_file(self, path)
+
     @remote_function(dispatch="all", collect="flatten")
     def weight_digest(self) -> list[dict]:
         """[{name: sha256}] of this worker's weights."""
@@ -228,6 +250,7 @@ class Trainer(WeightSyncMixin):
         self.ppo_epochs = ppo_epochs
         self.entropy_coef = entropy_coef
         self.clip = clip
+        self.version = 0  # policy updates applied (one per train_step); saved in checkpoints
 
     @remote_function(dispatch="slice_dp", collect="mean")
     def train_step(self, rollouts: dict, scores: dict) -> dict:
@@ -254,7 +277,40 @@ class Trainer(WeightSyncMixin):
                 stats = {"loss": loss.item(), "entropy": entropy.item(),
                          "ratio_err": (ratio.detach() - 1).abs().max().item()}
         stats["reward"] = float(np.mean(scores["reward"]))
+        self.version += 1
+        stats["version"] = float(self.version)
         return stats
+
+    # -- checkpoint: each rank saves its own shards (local tensors) and loads them back in place --
+    def state_dict(self) -> dict:
+        local = {k: _local(v).detach().clone() for k, v in self.model.state_dict().items()}
+        opt = self.opt.state_dict()
+        opt["state"] = {i: {k: _local(v).detach().clone() for k, v in st.items()} for i, st in opt["state"].items()}
+        return {"model": local, "opt": opt, "version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            for k, v in self.model.state_dict().items():
+                _local(v).copy_(state["model"][k])
+        params = [p for g in self.opt.param_groups for p in g["params"]]
+        opt = dict(state["opt"])
+        opt["state"] = {}
+        for i, st in state["opt"]["state"].items():
+            p = params[int(i)]
+            opt["state"][i] = {
+                k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                      stride=p.stride())
+                if isinstance(p, DTensor) and k != "step" and v.shape == p.to_local().shape else v
+                for k, v in st.items()}
+        self.opt.load_state_dict(opt)
+        self.version = int(state["version"])
+
+    @remote_function(dispatch="all", collect="first")
+    def load_rank_state(self, path: str) -> None:
+        """Load this rank's file of a ``save_state(path)`` (resuming from a checkpoint)."""
+        load_rank_file(self, path)
 
     # -- inspection and checkpoint --------------------------------------------------------------
     @remote_function(dispatch="all", collect="flatten")
@@ -304,6 +360,16 @@ class Trainer(WeightSyncMixin):
         return [path]
 
 
+def _local(t):
+    """A DTensor's local shard (other tensors as they are)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def load_rank_file(instance, path: str) -> None:
+    """``instance.load_state_dict`` of this rank's ``rank<r>.pt`` under ``path`` (what save_state(path) wrote)."""
+    instance.load_state_dict(torch.load(os.path.join(path, f"rank{twinkle.get_rank()}.pt"), weights_only=False))
+
+
 # ------------------------------------------------------------------------------ the driver
 def groups() -> list[DeviceGroup]:
     return [
@@ -344,16 +410,29 @@ def timed_sync(trainer, sampler) -> dict:
             "tensors": stats.tensors, "buckets": stats.buckets, "backend": stats.backend}
 
 
-def train(gangs: dict, steps: int, log=print) -> dict:
-    """``steps`` GRPO steps; returns the per-step metrics and sync figures."""
+def train(gangs: dict, steps: int, log=print, *, checkpoint_dir: str | None = None, checkpoint_every: int = 5,
+          resume: bool = False) -> dict:
+    """``steps`` GRPO steps; returns the per-step metrics and sync figures.
+
+    With ``checkpoint_dir``, a checkpoint every ``checkpoint_every`` steps and
+    after the last (see examples/checkpointing.py); with ``resume``, the run
+    continues after the newest complete one (``history`` then holds every step).
+    """
     sampler, reward, trainer = gangs["sampler"], gangs["reward"], gangs["trainer"]
+    ckpt, latest = checkpointing.open_checkpoints(checkpoint_dir, resume)
+    saved_gangs = {"trainer": trainer, "sampler": sampler}
+    history, first_step, saves = [], 1, []
+    if latest is not None:
+        state = checkpointing.restore(latest, loader=gangs["loader"], gangs=saved_gangs)
+        history, first_step = list(state["history"]), latest.step + 1
+        log(f"resumed from {latest.path}: step {latest.step}, policy version {state['version']}")
     first = timed_sync(trainer, sampler)  # sets up the trainer -> sampler group once
     log(f"weight sync set up: {first['tensors']} tensors, {first['mb']:.3f} MB, {first['wall_s']:.2f}s "
         f"({first['backend']})")
-    history, syncs = [], []
+    syncs = []
     start = time.perf_counter()
     batches = endless(gangs["loader"])
-    for step in range(1, steps + 1):
+    for step in range(first_step, steps + 1):
         t0 = time.perf_counter()
         prompts = next(batches)                            # LazyResult in the loader's worker
         rollouts = sampler.generate(prompts)               # each sampler pulls its half
@@ -366,7 +445,14 @@ def train(gangs: dict, steps: int, log=print) -> dict:
             f"entropy {metrics['entropy']:.2f}  |r-1| {metrics['ratio_err']:.1e}  "
             f"sync {sync['mb']:.3f} MB {sync['seconds']:.4f}s {sync['gb_per_s']:.3f} GB/s "
             f"(wall {sync['wall_s']:.2f}s)  step {time.perf_counter() - t0:.2f}s")
-    return {"history": history, "sync": syncs, "seconds": time.perf_counter() - start}
+        if ckpt is not None and (step % checkpoint_every == 0 or step == steps):
+            t1 = time.perf_counter()
+            path = checkpointing.save(ckpt, step, loader=gangs["loader"], gangs=saved_gangs,
+                                      version=int(metrics["version"]), history=history)
+            saves.append(step)
+            log(f"checkpoint: step {step} saved in {path} ({time.perf_counter() - t1:.2f}s)")
+    return {"history": history, "sync": syncs, "seconds": time.perf_counter() - start, "first_sync": first,
+            "resumed_from": latest.step if latest is not None else None, "checkpoints": saves}
 
 
 def evaluate_checkpoint(path: str, digits: int, n: int = 200, seed: int = 12345) -> float:
@@ -398,7 +484,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the model init, data and sampling")
     parser.add_argument("--out-dir", default=os.path.join(tempfile.gettempdir(), "rlhf_fsdp_hf"),
                         help="where the reward curve (txt, png) and the HF checkpoint go")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="save a checkpoint (DIR/step-NNNNNN/, atomic) every --checkpoint-every steps")
+    parser.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue after the newest complete checkpoint in --checkpoint-dir")
     args = parser.parse_args(argv)
+    if args.resume and not args.checkpoint_dir:
+        parser.error("--resume needs --checkpoint-dir")
+    if args.checkpoint_every < 1:
+        parser.error("--checkpoint-every must be >= 1")
     steps = args.steps or (30 if args.quick else 120)
     lr = args.lr
     out_dir = os.path.abspath(args.out_dir)
@@ -419,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer: FSDP2 over {fsdp['dim_names']} ranks {fsdp['mesh_ranks']}, "
               f"{fsdp['full_numel']:,} parameters, {fsdp['local_numel']:,} on rank 0")
         phases["gang_startup_s"] = time.perf_counter() - t0
-        out = train(gangs, steps)
+        out = train(gangs, steps, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                    resume=args.resume)
         phases["train_s"] = out["seconds"]
         t0 = time.perf_counter()
         gangs["trainer"].save_pretrained(ckpt)()
@@ -435,8 +531,10 @@ def main(argv: list[str] | None = None) -> int:
     print(curve)
     k = max(1, min(10, len(rewards) // 4))
     first, last = float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))
+    ran = max(1, len(syncs))
     print(f"mean reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f}  "
-          f"({steps} steps in {out['seconds']:.1f}s, {out['seconds'] / steps:.2f}s per step)")
+          f"({len(syncs)} steps in {out['seconds']:.1f}s, {out['seconds'] / ran:.2f}s per step)")
+    syncs = syncs or [dict(out["first_sync"], seconds=0.0, gb_per_s=0.0, wall_s=0.0)]
     mb = syncs[-1]["mb"]
     print(f"weight sync (per step, from FSDP2 shards): {mb:.3f} MB, {syncs[-1]['tensors']} tensors in "
           f"{syncs[-1]['buckets']} bucket(s), transfer mean {np.mean([s['seconds'] for s in syncs]):.4f}s "
@@ -452,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     greedy = evaluate_checkpoint(ckpt, args.digits)
     phases["eval_s"] = time.perf_counter() - t0
     print(f"HF checkpoint: {ckpt} (from_pretrained OK; greedy reward on 200 fresh prompts {greedy:.3f})")
-    result = {"steps": steps, "reward_first": first, "reward_last": last, "rewards": rewards,
+    result = {"steps": len(rewards), "resumed_from": out["resumed_from"], "checkpoints": out["checkpoints"],
+              "reward_first": first, "reward_last": last, "rewards": rewards,
               "greedy_reward": greedy, "seconds": out["seconds"], **phases,
               "total_s": time.perf_counter() - t_start, "sync_mb": mb,
               "sync_s": float(np.mean([s["seconds"] for s in syncs])),
