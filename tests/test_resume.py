@@ -76,6 +76,7 @@ def test_resume_needs_a_checkpoint_dir():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process table from /proc")
 def test_driver_sigkill_then_resume_matches_an_uninterrupted_run(ray_session, tmp_path, capsys):
     steps, every, kill_after = 12, 3, 5
@@ -151,6 +152,12 @@ def test_driver_sigkill_then_resume_matches_an_uninterrupted_run(ray_session, tm
         redone = [int(m.group(1)) for m in STEP_LINE.finditer(out)]
         assert redone[0] == latest.step + 1 and redone[-1] == steps, redone
         assert result["steps"] == steps and len(result["rewards"]) == steps
+        with capsys.disabled():
+            print(f"\ndriver kill: killed after step {reached}, resumed from checkpoint {latest.step}: "
+                  f"{reached - latest.step} step(s) redone; the dead run's GCS, raylet and workers gone in "
+                  f"{core_s:.1f}s, all its {len(tree)} processes in {all_s:.1f}s; restart -> back at step "
+                  f"{reached}: {back_s:.1f}s; checkpoint saves: "
+                  + ", ".join(re.findall(r"^checkpoint: step \d+ saved in \S+ \(([0-9.]+s)\)", out, re.M)))
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
@@ -165,8 +172,35 @@ def test_driver_sigkill_then_resume_matches_an_uninterrupted_run(ray_session, tm
     actors, pgs = leftovers()
     assert not actors and not pgs, (actors, pgs)
     assert result["rewards"] == plain["rewards"], (result["rewards"], plain["rewards"])
-    with capsys.disabled():
-        print(f"\ndriver kill: killed after step {reached}, resumed from checkpoint {latest.step}: "
-              f"{reached - latest.step} step(s) redone; the dead run's GCS, raylet and workers gone in "
-              f"{core_s:.1f}s, all its {len(tree)} processes in {all_s:.1f}s; restart -> back at step {reached}: {back_s:.1f}s; "
-              f"reward curve identical to an uninterrupted run ({steps} steps)")
+
+
+FSDP_EXAMPLE = EXAMPLE.parent / "rlhf_fsdp_hf.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_fsdp_example_resumes_exactly(tmp_path):
+    """rlhf_fsdp_hf.py: a run of 4 steps (checkpoints 2 and 4); with checkpoint 4 gone, --resume redoes
+    steps 3-4 from checkpoint 2 (FSDP2 shards, optimizer, RNGs) and ends with the same rewards and
+    the same final weights (the greedy score of the HF checkpoint)."""
+    pytest.importorskip("transformers")
+    ray_tmp = tempfile.mkdtemp(prefix="twr-", dir="/tmp")
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, str(FSDP_EXAMPLE), "--steps", "4", "--checkpoint-every", "2", "--checkpoint-dir",
+           str(ckpt), "--out-dir", str(tmp_path / "out")]
+    try:
+        runs = []
+        for extra in ([], ["--resume"]):
+            if extra:
+                shutil.rmtree(ckpt / "step-000004")
+            proc = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=900,
+                                  env=_driver_env(ray_tmp), cwd=EXAMPLE.parent.parent)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            runs.append(_result(proc.stdout))
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    full, resumed = runs
+    assert (full["resumed_from"], full["checkpoints"]) == (None, [2, 4])
+    assert (resumed["resumed_from"], resumed["checkpoints"], resumed["steps"]) == (2, [4], 4)
+    assert resumed["rewards"] == full["rewards"]
+    assert resumed["greedy_reward"] == full["greedy_reward"]
