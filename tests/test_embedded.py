@@ -75,3 +75,45 @@ def test_embedded_ray_and_gang_listen_on_loopback_only(child_run):
         assert name in commands, f"no listening socket of {name} found: {rows}"
     exposed = [r for r in rows if r[0] not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
     assert not exposed, "listening beyond loopback:\n" + "\n".join(map(str, exposed))
+
+
+PROBE = """
+import json, logging, os, sys
+import ray  # before initialize(), without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: Ray's node address is fixed
+import twinkle_ray
+
+seen = {}
+def fake_init(**kwargs):  # records what initialize() asks of Ray, starts nothing
+    seen.update(kwargs, env=os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"))
+    raise RuntimeError("stop here")
+ray.init = fake_init
+records = []
+logging.getLogger("twinkle_ray").addHandler(type("H", (logging.Handler,), {"emit": lambda s, r: records.append(r.getMessage())})())
+try:
+    twinkle_ray.initialize("ray", num_cpus=2)
+except RuntimeError:
+    pass
+print("PROBE " + json.dumps({"address": seen.get("address"), "env_during": seen.get("env"),
+      "env_after": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"), "node_ip": ray.util.get_node_ip_address(),
+      "dashboard_host": seen.get("dashboard_host"), "warnings": records}))
+"""
+
+
+def test_ray_imported_first_is_warned_about():
+    """initialize() asks Ray for a new instance (address='local') with the loopback setting in the
+    environment only while it starts it; when ray was imported earlier without that setting, Ray's
+    node address is already the external one, and initialize() says so (a warning naming the fix).
+    (The normal order, twinkle_ray first, is the real start of the tests above.)"""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
+                          timeout=120)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")]
+    assert lines, proc.stdout + proc.stderr
+    out = json.loads(lines[0][len("PROBE "):])
+    assert out["address"] == "local" and out["dashboard_host"] == "127.0.0.1"
+    assert out["env_during"] == "0" and out["env_after"] is None  # restored after the start
+    if out["node_ip"] != "127.0.0.1":  # a machine whose own address is not loopback (most)
+        assert any("imported before initialize()" in w and "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in w
+                   for w in out["warnings"]), out["warnings"]
+    else:
+        assert not out["warnings"]
