@@ -356,15 +356,18 @@ def _loopback_store(info: WorkerInfo, port: int, timeout_s: float):
 
     torch's TCPStore server binds every interface for a host name; rank 0
     binds the port on loopback itself and hands the socket over
-    (``master_listen_fd``). Gloo's pairs go on the loopback interface too
-    (``GLOO_SOCKET_IFNAME``, unless set).
+    (``master_listen_fd``). On a loopback-only Ray (the embedded default),
+    gloo's pairs go on the loopback interface too (``GLOO_SOCKET_IFNAME``,
+    unless set); on a cluster's node gloo keeps its default, as a weight sync
+    with another node's gang needs it.
     """
     import torch.distributed as dist
 
-    names = {name for _, name in socket.if_nameindex()}
-    lo = next((n for n in ("lo", "lo0") if n in names), None)  # Linux, macOS
-    if lo is not None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+    if _is_loopback(ray.util.get_node_ip_address()):
+        names = {name for _, name in socket.if_nameindex()}
+        lo = next((n for n in ("lo", "lo0") if n in names), None)  # Linux, macOS
+        if lo is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
     common = dict(host_name="127.0.0.1", port=port, world_size=info.world_size,
                   timeout=timedelta(seconds=timeout_s))
     if info.rank != 0:
