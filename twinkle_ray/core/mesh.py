@@ -112,7 +112,7 @@ class DeviceMesh:
 
     The current rank (when a method is given ``rank=None``, and for every
     ``<dim>_rank`` property) is asked of
-    :meth:`Platform.get_rank <twinkle_ray.core.platform.Platform.get_rank>` at call
+    ``Platform.get_rank()`` (:class:`~twinkle_ray.core.platform.Platform`) at call
     time, so ``patch.object(Platform, 'get_rank', return_value=r)`` shows what rank
     ``r`` sees.
 

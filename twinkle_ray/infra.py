@@ -1,0 +1,38 @@
+"""``twinkle_ray.infra``: the module Twinkle scripts import the runtime from.
+
+Twinkle's ``twinkle.infra`` exposes ``initialize``, ``remote_class``,
+``remote_function``, ``get_device_placement`` and ``is_master``; these are the
+same objects as ``twinkle_ray.<name>``. Imports are absolute so that the module
+also works when a script aliases the package (``sys.modules['twinkle'] = twinkle_ray``)
+and Python loads it a second time under the name ``twinkle.infra``.
+
+Example::
+
+    from twinkle_ray.infra import initialize, is_master, remote_class, remote_function
+
+    initialize("local")
+    assert is_master()            # a driver is rank 0
+"""
+
+from __future__ import annotations
+
+from twinkle_ray.core.functions import remote_function
+from twinkle_ray.core.platform import Platform
+from twinkle_ray.runtime.remote import remote_class
+from twinkle_ray.runtime.session import get_device_placement, initialize
+
+__all__ = ["get_device_placement", "initialize", "is_master", "remote_class", "remote_function"]
+
+
+def is_master() -> bool:
+    """Whether this process is rank 0 of its gang (``Platform.is_master()``; a driver is).
+
+    Inside a worker it is the gang rank (``RANK``, or torch.distributed's rank);
+    Twinkle counts a process without a rank (-1 there) as master too.
+
+    Example::
+
+        >>> is_master()
+        True
+    """
+    return Platform.is_master()
