@@ -83,9 +83,8 @@ def test_twinkle_style_script_on_ray(runtime, twinkle_alias):
 
 @pytest.mark.slow
 def test_closed_gangs_leave_the_table_and_timeouts_reach_the_runtime(runtime):
-    from twinkle_ray.runtime import session
-
     from twinkle_ray import DeviceGroup, remote_class
+    from twinkle_ray.runtime import session
 
     @remote_class()
     class Echo:
