@@ -351,3 +351,12 @@ def test_last_pp_first_in_local_mode(twinkle):
 
     # local mode: the class is built in-process and the method runs as written
     assert Model(remote_group="default").calculate_metric() == {"loss": 0.5}
+
+
+@pytest.mark.parametrize("keyword,why", [("nproc_per_node", "gpus_per_node"),
+                                         ("global_device_mesh", "pass the DeviceMesh"),
+                                         ("full_determinism", "use_deterministic_algorithms")])
+def test_initialize_names_twinkle_only_keywords(keyword, why):
+    with pytest.raises(TypeError, match=f"initialize: '{keyword}' is a Twinkle keyword with no "
+                                        f"meaning here: .*{why}"):
+        twinkle_ray.initialize("local", **{keyword: 8})

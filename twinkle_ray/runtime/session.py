@@ -29,6 +29,17 @@ from ..core.group import DeviceGroup, check_groups
 logger = logging.getLogger(__name__)
 
 _RESOURCE_KWARGS = ("num_cpus", "num_gpus", "resources", "object_store_memory", "labels")
+# Keywords of Twinkle's initialize() that have no meaning here, and why (docs/twinkle.md).
+_TWINKLE_ONLY = {
+    "nproc_per_node": "Ray knows every node's devices; for explicit device ids that span nodes "
+                      "set DeviceGroup(gpus_per_node=...)",
+    "ncpu_proc_per_node": "Ray knows every node's CPUs; CPU groups declare their worker count",
+    "full_determinism": "each worker is seeded with seed=; deterministic kernels are the "
+                        "user class's choice (torch.use_deterministic_algorithms)",
+    "global_device_mesh": "pass the DeviceMesh to the class that uses it",
+    "name": "gangs are named 'group/Class' in the Ray namespace (namespace=)",
+    "notifier": "errors are raised to the caller with group, rank and method named",
+}
 
 
 @dataclass
@@ -150,6 +161,10 @@ def initialize(
             continue
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             raise ValueError(f"initialize: {name} must be a positive number of seconds, got {value!r}")
+    twinkle_only = [k for k in ray_init_kwargs if k in _TWINKLE_ONLY]
+    if twinkle_only:
+        k = twinkle_only[0]
+        raise TypeError(f"initialize: {k!r} is a Twinkle keyword with no meaning here: {_TWINKLE_ONLY[k]}")
     new = list(groups or [])
     check_groups(new)
     if _runtime is not None:
