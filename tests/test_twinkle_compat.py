@@ -360,3 +360,14 @@ def test_initialize_names_twinkle_only_keywords(keyword, why):
     with pytest.raises(TypeError, match=f"initialize: '{keyword}' is a Twinkle keyword with no "
                                         f"meaning here: .*{why}"):
         twinkle_ray.initialize("local", **{keyword: 8})
+
+
+@pytest.mark.parametrize("name", ["twinkle_ray.core.platform", "twinkle_ray.core.defaults",
+                                  "twinkle_ray.core.logs", "twinkle_ray.infra",
+                                  "twinkle_ray.runtime.net", "twinkle_ray.core.dispatch"])
+def test_docstring_examples(name, user_logger):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
