@@ -363,7 +363,7 @@ def test_initialize_names_twinkle_only_keywords(keyword, why):
 
 
 @pytest.mark.parametrize("name", ["twinkle_ray.core.platform", "twinkle_ray.core.defaults",
-                                  "twinkle_ray.core.logs", "twinkle_ray.infra",
+                                  "twinkle_ray.core.logs",
                                   "twinkle_ray.runtime.net", "twinkle_ray.core.dispatch"])
 def test_docstring_examples(name, user_logger):
     import doctest

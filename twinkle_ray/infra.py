@@ -17,22 +17,9 @@ Example::
 from __future__ import annotations
 
 from twinkle_ray.core.functions import remote_function
-from twinkle_ray.core.platform import Platform
+from twinkle_ray.core.platform import is_master
 from twinkle_ray.runtime.remote import remote_class
 from twinkle_ray.runtime.session import get_device_placement, initialize
 
 __all__ = ["get_device_placement", "initialize", "is_master", "remote_class", "remote_function"]
 
-
-def is_master() -> bool:
-    """Whether this process is rank 0 of its gang (``Platform.is_master()``; a driver is).
-
-    Inside a worker it is the gang rank (``RANK``, or torch.distributed's rank);
-    Twinkle counts a process without a rank (-1 there) as master too.
-
-    Example::
-
-        >>> is_master()
-        True
-    """
-    return Platform.is_master()

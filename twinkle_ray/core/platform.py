@@ -37,7 +37,7 @@ from typing import ClassVar
 
 from .group import ACCELERATORS, normalize_device_type
 
-__all__ = ["CPU", "GPU", "NPU", "Platform"]
+__all__ = ["CPU", "GPU", "NPU", "Platform", "is_master"]
 
 #: kind -> torch device prefix.
 _DEVICE_PREFIX = {"gpu": "cuda", "npu": "npu", "cpu": "cpu"}
@@ -234,3 +234,17 @@ class CPU(Platform):
 
 
 _BY_KIND: dict[str, type[Platform]] = {"gpu": GPU, "npu": NPU, "cpu": CPU}
+
+
+def is_master() -> bool:
+    """Whether this process is rank 0 of its gang (``Platform.is_master()``; a driver is).
+
+    Inside a worker it is the gang rank (``RANK``, or torch.distributed's rank);
+    Twinkle counts a process without a rank (-1 there) as master too.
+
+    Example::
+
+        >>> is_master()
+        True
+    """
+    return Platform.is_master()
