@@ -73,7 +73,7 @@ def firsts(calls):
 def test_mode_tuples():
     assert DISPATCH_MODES == ('slice', 'all', 'slice_dp')
     assert EXECUTE_MODES == ('all', 'first', 'peer')
-    assert COLLECT_MODES == ('none', 'flatten', 'mean', 'sum', 'first', 'last_pp')
+    assert COLLECT_MODES == ('none', 'flatten', 'mean', 'sum', 'first', 'last_pp', 'last_pp_first')
 
 
 @pytest.mark.parametrize('mode', [*DISPATCH_MODES, lambda n, i, a, k, m: (a, k)])
@@ -99,7 +99,7 @@ def test_check_dispatch_rejects_and_lists_modes():
 
 
 def test_check_collect_rejects_and_lists_modes():
-    with pytest.raises(ValueError, match=r"unknown collect mode 'avg'.*'none', 'flatten', 'mean', 'sum', 'first', 'last_pp' or a callable"):
+    with pytest.raises(ValueError, match=r"unknown collect mode 'avg'.*'none', 'flatten', 'mean', 'sum', 'first', 'last_pp', 'last_pp_first' or a callable"):
         check_collect('avg')
 
 
@@ -689,3 +689,47 @@ def test_locate(lengths, start, stop, expected):
     from twinkle_ray.core.routing import locate
 
     assert locate(lengths, start, stop) == expected
+
+
+# --------------------------------------------------------------------------- last_pp_first
+
+
+def test_last_pp_first_is_the_first_last_stage_result():
+    mesh = FakeMesh(pp=2, dp=2, tp=2)  # last stage: ranks 4..7
+    results = [{'loss': float(g)} for g in range(8)]
+    assert collect('last_pp_first', results, device_mesh=mesh) == {'loss': 4.0}
+    # worker indices out of order: still the smallest last-stage global rank
+    assert collect('last_pp_first', ['w7', 'w5', 'w0'], device_mesh=mesh, worker_indices=[7, 5, 0]) == 'w5'
+    # gpus_per_worker=2: worker w is global rank 2w, so worker 2 (rank 4) is the first on the last stage
+    assert collect('last_pp_first', ['a', 'b', 'c', 'd'], device_mesh=mesh, gpus_per_worker=2) == 'c'
+
+
+def test_last_pp_first_falls_back_to_the_first_result():
+    # pp = 1: every rank is on the last stage -> rank 0's result
+    assert collect('last_pp_first', ['r0', 'r1'], device_mesh=FakeMesh(dp=2, has_pp=False)) == 'r0'
+    # no mesh: the first result (Twinkle asserts a mesh; a gang without one has a single stage)
+    assert collect('last_pp_first', [3, 4]) == 3
+    # execute='first' on a pp=2 mesh: rank 0 is not on the last stage, its result is what there is
+    assert collect('last_pp_first', ['r0'], device_mesh=FakeMesh(pp=2, dp=1), worker_indices=[0]) == 'r0'
+
+
+def test_last_pp_first_tuples_element_wise():
+    mesh = FakeMesh(pp=2, dp=2)
+    results = [(g, {'m': g}) for g in range(4)]
+    assert collect('last_pp_first', results, device_mesh=mesh) == (2, {'m': 2})
+
+
+def test_collect_sources_read_what_collect_reads():
+    from twinkle_ray.core.dispatch import collect_sources
+    from twinkle_ray.core.mesh import DeviceMesh
+
+    mesh = DeviceMesh.from_sizes(pp_size=2, dp_size=2, tp_size=2)
+    workers = list(range(8))
+    assert collect_sources('last_pp', workers, device_mesh=mesh) == [4, 6]
+    assert collect_sources('last_pp_first', workers, device_mesh=mesh) == [4]
+    assert collect_sources('mean', workers, device_mesh=mesh) == workers
+    results = [[g] for g in workers]
+    for mode in ('last_pp', 'last_pp_first'):
+        keep = collect_sources(mode, workers, device_mesh=mesh)
+        assert collect(mode, [results[k] for k in keep], device_mesh=mesh,
+                       worker_indices=[workers[k] for k in keep]) == collect(mode, results, device_mesh=mesh)

@@ -164,7 +164,8 @@ def test_from_sizes_all_dims_and_rank_properties(monkeypatch):
     assert m.mesh_dim_names == ("fsdp", "pp", "dp", "cp", "tp")
     monkeypatch.setenv("RANK", "27")  # 27 = 0b11011 -> fsdp 1, pp 1, dp 0, cp 1, tp 1
     assert (m.fsdp_rank, m.pp_rank, m.dp_rank, m.cp_rank, m.tp_rank) == (1, 1, 0, 1, 1)
-    assert m.data_world_size == 4 and m.data_rank == 2  # row-major over (fsdp, dp)
+    # Twinkle's rule: dp_rank * fsdp_world_size + fsdp_rank = 0 * 2 + 1
+    assert m.data_world_size == 4 and m.data_rank == 1
     assert m.get_group_ranks("fsdp") == [11, 27]
 
 
@@ -188,8 +189,9 @@ def test_fsdp_and_dp_data_ranks():
     m = DeviceMesh.from_sizes(fsdp_size=2, dp_size=2, tp_size=2)
     assert m.mesh_dim_names == ("fsdp", "dp", "tp")
     assert m.data_world_size == 4
-    assert [m.get_data_rank_from_global_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert m.get_collect_ranks() == [0, 2, 4, 6]
+    # Twinkle's rule: dp_rank * fsdp_world_size + fsdp_rank (not the mesh's fsdp-outer order)
+    assert [m.get_data_rank_from_global_rank(r) for r in range(8)] == [0, 0, 2, 2, 1, 1, 3, 3]
+    assert m.get_collect_ranks() == [0, 4, 2, 6]  # in data-rank order
 
 
 def test_world_size_and_dp_inference():
@@ -211,7 +213,8 @@ def test_ulysses_divides_data_world_size():
     assert m.get_collect_ranks() == [0, 2]
     fsdp = DeviceMesh.from_sizes(fsdp_size=2, dp_size=4, ulysses_size=4)
     assert fsdp.data_world_size == 2
-    assert [fsdp.get_data_rank_from_global_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    # (dp_rank * 2 + fsdp_rank) // 4: fsdp is the inner index, so dp 0-1 and dp 2-3 pair up
+    assert [fsdp.get_data_rank_from_global_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert "ulysses_size" not in m.mesh_dim_names
 
 
@@ -246,7 +249,7 @@ def test_pp_last_ranks_and_collect_ranks():
 def test_pp_ranks_on_a_custom_mesh():
     m = DeviceMesh(mesh=np.array([[7, 3], [5, 1]]), mesh_dim_names=("pp", "dp"))
     assert m.get_pp_last_ranks() == [1, 5]
-    assert m.get_collect_ranks() == [1, 5]
+    assert m.get_collect_ranks() == [5, 1]  # data rank 0 (rank 5), then data rank 1 (rank 1)
     assert m.get_group_ranks("pp", 3) == [3, 1]  # local-rank order, like torch
 
 

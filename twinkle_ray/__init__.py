@@ -1,7 +1,11 @@
 """twinkle_ray: Ray-native actor framework for multi-group distributed ML.
 
 The API of ModelScope Twinkle's infra, re-built on Ray: a script written for
-Twinkle runs with ``import twinkle_ray as twinkle``.
+Twinkle runs with ``import twinkle_ray as twinkle``. The names of Twinkle's
+``twinkle`` and ``twinkle.infra`` modules are here and in :mod:`twinkle_ray.infra`;
+docs/twinkle.md lists each one and any difference. The layers: the pure
+:mod:`twinkle_ray.core` (mesh, dispatch, groups, Platform), :mod:`twinkle_ray.runtime`
+(Ray), and the integrations (``data``, ``weights``, ``serve``, ``cli``).
 
 Example::
 
@@ -23,11 +27,16 @@ Example::
     twinkle.shutdown()
 """
 
+from . import infra
 from .core.context import get_rank, get_world_size
 from .core.functions import remote_function
 from .core.group import DeviceGroup
+from .core.logs import get_logger
 from .core.mesh import DeviceMesh
+from .core.platform import GPU, NPU, Platform
+from .infra import is_master
 from .runtime.errors import CallTimeoutError, GangStuckError, PlacementError, WorkerDiedError
+from .runtime.net import find_free_port, find_node_ip
 from .runtime.remote import remote_class
 from .runtime.session import get, get_device_placement, initialize, shutdown
 
@@ -35,8 +44,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # LazyResult needs Ray; importing it lazily keeps ``import twinkle_ray.mesh`` (and the
-    # other pure modules) free of Ray for code that only wants the mesh maths.
+    # LazyResult is loaded on first use, like Twinkle's lazily loaded names; the pure
+    # modules (``import twinkle_ray.core.mesh``) never need it.
     if name == "LazyResult":
         from .runtime.lazy import LazyResult
 
@@ -44,18 +53,26 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'twinkle_ray' has no attribute {name!r}")
 
 __all__ = [
+    "GPU",
+    "NPU",
     "CallTimeoutError",
-    "GangStuckError",
     "DeviceGroup",
     "DeviceMesh",
+    "GangStuckError",
     "LazyResult",
+    "Platform",
     "PlacementError",
     "WorkerDiedError",
+    "find_free_port",
+    "find_node_ip",
     "get",
     "get_device_placement",
+    "get_logger",
     "get_rank",
     "get_world_size",
+    "infra",
     "initialize",
+    "is_master",
     "remote_class",
     "remote_function",
     "shutdown",

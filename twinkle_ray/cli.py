@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .core import defaults
 from .core.group import DeviceGroup
 
 DESCRIPTION = "twinkle_ray: Ray-native gangs of workers for multi-group distributed ML (RLHF)."
@@ -266,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "namespace to reserve in")
     topo.add_argument("--num-gpus", type=int, help="virtual GPUs of an embedded Ray (default: what the groups need)")
     topo.add_argument("--num-cpus", type=int, help="virtual CPUs of an embedded Ray (default: what the groups need + 1)")
-    topo.add_argument("--timeout", type=float, default=60.0, help="placement timeout in seconds (default 60)")
+    topo.add_argument("--timeout", type=float, default=defaults.PLACEMENT_TIMEOUT_S,
+                      help=f"placement timeout in seconds (default {defaults.PLACEMENT_TIMEOUT_S:g})")
     topo.set_defaults(func=cmd_topology)
 
     # demo and bench pass every argument through (--help included: the script's own help)

@@ -17,8 +17,8 @@ worker):
 - a callable ``fn(n_workers, i, args, kwargs, device_mesh) -> (args, kwargs)``.
 
 Collect modes (how the per-worker results of one call become one value): ``'none'``,
-``'flatten'``, ``'mean'``, ``'sum'``, ``'first'``, ``'last_pp'`` or a callable
-``fn(results, device_mesh)``.  Results that are all tuples of one length (a method with
+``'flatten'``, ``'mean'``, ``'sum'``, ``'first'``, ``'last_pp'``, ``'last_pp_first'`` or a
+callable ``fn(results, device_mesh)``.  Results that are all tuples of one length (a method with
 several return values) are collected element-wise.
 
 The device mesh is duck-typed; what is used of it: ``data_world_size``, ``world_size``,
@@ -47,6 +47,7 @@ __all__ = [
     'check_dispatch',
     'check_execute',
     'collect',
+    'collect_sources',
     'concat',
     'dispatch',
     'split_sizes',
@@ -56,7 +57,7 @@ __all__ = [
 
 DISPATCH_MODES = ('slice', 'all', 'slice_dp')
 EXECUTE_MODES = ('all', 'first', 'peer')
-COLLECT_MODES = ('none', 'flatten', 'mean', 'sum', 'first', 'last_pp')
+COLLECT_MODES = ('none', 'flatten', 'mean', 'sum', 'first', 'last_pp', 'last_pp_first')
 
 WorkerCall = tuple[tuple, dict]
 
@@ -550,10 +551,10 @@ def collect(
     Args:
         mode: ``'none'`` (a single result unwrapped, else the list), ``'flatten'``
             (:func:`concat`), ``'mean'`` / ``'sum'`` (numbers, arrays, tensors elementwise,
-            dicts per key, lists per position), ``'first'``, ``'last_pp'`` or
-            ``fn(results, device_mesh)``.
+            dicts per key, lists per position), ``'first'``, ``'last_pp'``,
+            ``'last_pp_first'`` or ``fn(results, device_mesh)``.
         results: one result per executing worker, in worker order.
-        device_mesh: the gang's mesh (used by ``'last_pp'``).
+        device_mesh: the gang's mesh (used by ``'last_pp'`` and ``'last_pp_first'``).
         gpus_per_worker: worker ``w`` is global mesh rank ``w * gpus_per_worker``.
         worker_indices: which worker produced each result (default ``0..len-1``).
 
@@ -562,6 +563,11 @@ def collect(
     rank is kept -- Twinkle's ``DeviceMesh.get_collect_ranks`` rule), ordered by data rank,
     and concatenates them when they are sequences / dicts, else returns them as a list.
     With no ``'pp'`` dim every rank is on the last stage.
+
+    ``'last_pp_first'`` (Twinkle's mode for metrics that every last-stage rank holds) is the
+    result of the smallest global rank of the last pipeline stage among the results; the
+    first result when none of them is on the last stage (or there is no mesh), as Twinkle
+    falls back to rank 0's.
 
     When every result is a tuple of one length, element ``k`` of the answer is
     ``collect(mode, [r[k] for r in results])`` (a namedtuple keeps its type).
@@ -611,35 +617,83 @@ def collect(
         return concat(results)
     if mode in ('mean', 'sum'):
         return _reduce(mode, results, 'results')
-    return _collect_last_pp(results, worker_indices, device_mesh, gpus_per_worker)
-
-
-def _collect_last_pp(results, worker_indices, mesh, gpus_per_worker) -> Any:
-    ranks = [worker_global_rank(w, gpus_per_worker) for w in worker_indices]
-    if mesh is None:
-        picked = list(results)
-    else:
-        get_last = getattr(mesh, 'get_pp_last_ranks', None)
-        last = get_last() if callable(get_last) else None
-        last = None if last is None else {int(r) for r in last}
-        data_rank_of = getattr(mesh, 'get_data_rank_from_global_rank', None)
-        chosen: dict[int, tuple[int, int]] = {}  # data rank -> (global rank, result index)
-        for k, g in enumerate(ranks):
-            if last is not None and g not in last:
-                continue
-            d = int(data_rank_of(g)) if callable(data_rank_of) else g
-            if d not in chosen or g < chosen[d][0]:
-                chosen[d] = (g, k)
-        if not chosen:
-            raise ValueError(
-                f"collect='last_pp': none of the results comes from the last pipeline stage "
-                f'(results from global ranks {ranks}; last-stage ranks {sorted(last or [])}); '
-                "run the call on all workers (execute='all')"
-            )
-        picked = [results[chosen[d][1]] for d in sorted(chosen)]
+    if mode == 'last_pp_first':
+        return results[_last_pp_first(worker_indices, device_mesh, gpus_per_worker)]
+    picked = [results[k] for k in _last_pp_picks(worker_indices, device_mesh, gpus_per_worker)]
     if all(isinstance(p, dict) for p in picked) or all(_is_sliceable(p) for p in picked):
         return concat(picked)
     return picked
+
+
+def collect_sources(
+    mode: str | Callable,
+    worker_indices: Sequence[int],
+    *,
+    device_mesh: Any = None,
+    gpus_per_worker: int = 1,
+) -> list[int]:
+    """Positions of the results that :func:`collect` reads for ``mode``, in order.
+
+    ``'last_pp'`` reads one result per data rank of the last pipeline stage,
+    ``'last_pp_first'`` one result; every other mode reads them all. A consumer that
+    collects another gang's outputs fetches only these; passing them to
+    :func:`collect` (with their worker indices) gives the same value.
+
+    Example::
+
+        >>> from twinkle_ray.core.mesh import DeviceMesh
+        >>> mesh = DeviceMesh.from_sizes(pp_size=2, dp_size=2)
+        >>> collect_sources('last_pp', [0, 1, 2, 3], device_mesh=mesh)
+        [2, 3]
+        >>> collect_sources('last_pp_first', [0, 1, 2, 3], device_mesh=mesh)
+        [2]
+    """
+    worker_indices = list(worker_indices)
+    if mode == 'last_pp' and worker_indices:
+        return _last_pp_picks(worker_indices, device_mesh, gpus_per_worker)
+    if mode == 'last_pp_first' and worker_indices:
+        return [_last_pp_first(worker_indices, device_mesh, gpus_per_worker)]
+    return list(range(len(worker_indices)))
+
+
+def _last_stage(mesh: Any) -> set[int] | None:
+    """The global ranks of the mesh's last pipeline stage; None: every rank is on it."""
+    if mesh is None:
+        return None
+    get_last = getattr(mesh, 'get_pp_last_ranks', None)
+    last = get_last() if callable(get_last) else None
+    return None if last is None else {int(r) for r in last}
+
+
+def _last_pp_first(worker_indices, mesh, gpus_per_worker) -> int:
+    """Position of the result of the smallest last-stage global rank (0 if there is none)."""
+    ranks = [worker_global_rank(w, gpus_per_worker) for w in worker_indices]
+    last = _last_stage(mesh)
+    on_last = [(g, k) for k, g in enumerate(ranks) if last is None or g in last]
+    return min(on_last)[1] if on_last else 0
+
+
+def _last_pp_picks(worker_indices, mesh, gpus_per_worker) -> list[int]:
+    """Positions of the results ``'last_pp'`` keeps, in data-rank order."""
+    ranks = [worker_global_rank(w, gpus_per_worker) for w in worker_indices]
+    if mesh is None:
+        return list(range(len(ranks)))
+    last = _last_stage(mesh)
+    data_rank_of = getattr(mesh, 'get_data_rank_from_global_rank', None)
+    chosen: dict[int, tuple[int, int]] = {}  # data rank -> (global rank, result index)
+    for k, g in enumerate(ranks):
+        if last is not None and g not in last:
+            continue
+        d = int(data_rank_of(g)) if callable(data_rank_of) else g
+        if d not in chosen or g < chosen[d][0]:
+            chosen[d] = (g, k)
+    if not chosen:
+        raise ValueError(
+            f"collect='last_pp': none of the results comes from the last pipeline stage "
+            f'(results from global ranks {ranks}; last-stage ranks {sorted(last or [])}); '
+            "run the call on all workers (execute='all')"
+        )
+    return [chosen[d][1] for d in sorted(chosen)]
 
 
 def _reduce(op: str, values: list, path: str) -> Any:

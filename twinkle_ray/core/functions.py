@@ -83,7 +83,8 @@ def remote_function(
     dispatch: ``'slice'`` | ``'all'`` | ``'slice_dp'`` | ``fn(n, i, args, kwargs, mesh)``.
     execute: ``'all'`` | ``'first'`` | ``'peer'``.
     collect: ``'none'`` | ``'flatten'`` | ``'mean'`` | ``'sum'`` | ``'first'`` |
-    ``'last_pp'`` | ``fn(results, mesh)``.
+    ``'last_pp'`` | ``'last_pp_first'`` (the first result of the last pipeline stage) |
+    ``fn(results, mesh)``.
     sync / lazy_collect=False: return the value instead of a LazyResult.
     timeout: seconds to wait for the result; a CallTimeoutError names late ranks.
 

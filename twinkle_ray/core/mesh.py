@@ -31,17 +31,20 @@ from typing import Any
 
 import numpy as np
 
-from .context import get_rank
+from .platform import Platform
 
-__all__ = ["DeviceMesh", "KNOWN_DIMS", "DATA_DIMS"]
+__all__ = ["DeviceMesh", "KNOWN_DIMS", "DATA_DIMS", "TWINKLE_DATA_ORDER"]
 
 #: Root dimension names a mesh may use (Twinkle's, plus NeMo's FSDP2/MoE names).
 KNOWN_DIMS: frozenset[str] = frozenset(
     {"fsdp", "pp", "dp", "cp", "tp", "ep", "ep_fsdp", "ep_shard", "dp_replicate", "dp_shard"}
 )
-#: Dimensions whose index splits the data: the data rank is the row-major
-#: index over the ones present, in mesh order.
+#: Dimensions whose index splits the data (see :meth:`DeviceMesh.data_dims_order` for the
+#: order in which they make up the data rank).
 DATA_DIMS: tuple[str, ...] = ("fsdp", "dp", "dp_replicate", "dp_shard")
+#: Twinkle's data dims, outermost first as its data rank reads them:
+#: ``data_rank = dp_rank * fsdp_world_size + fsdp_rank``.
+TWINKLE_DATA_ORDER: tuple[str, ...] = ("dp", "fsdp")
 #: Dimension order of :meth:`DeviceMesh.from_sizes`, outermost first.
 FROM_SIZES_ORDER: tuple[str, ...] = ("fsdp", "pp", "dp", "cp", "tp")
 
@@ -107,8 +110,11 @@ class DeviceMesh:
             ``mesh[dims]._flatten(name)`` makes them. Every method taking a
             dimension name accepts these too.
 
-    The current rank (when a method is given ``rank=None``) comes from
-    :func:`twinkle_ray.context.get_rank`.
+    The current rank (when a method is given ``rank=None``, and for every
+    ``<dim>_rank`` property) is asked of
+    ``Platform.get_rank()`` (:class:`~twinkle_ray.core.platform.Platform`) at call
+    time, so ``patch.object(Platform, 'get_rank', return_value=r)`` shows what rank
+    ``r`` sees.
 
     Example::
 
@@ -347,12 +353,12 @@ class DeviceMesh:
             >>> DeviceMesh(mesh=np.arange(8).reshape(4, 2), mesh_dim_names=("pp", "tp")).get_coordinate(5)
             (2, 1)
         """
-        rank = get_rank() if rank is None else rank
+        rank = Platform.get_rank() if rank is None else rank
         hits = np.argwhere(self.mesh == rank)
         return tuple(int(c) for c in hits[0]) if len(hits) else None
 
     def _require_coordinate(self, rank: int | None) -> tuple[int, ...]:
-        rank = get_rank() if rank is None else rank
+        rank = Platform.get_rank() if rank is None else rank
         coord = self.get_coordinate(rank)
         if coord is None:
             raise ValueError(
@@ -454,8 +460,47 @@ class DeviceMesh:
     def _data_size(self) -> int:
         return math.prod(self._data_sizes.values())
 
+    @property
+    def data_dims_order(self) -> tuple[str, ...]:
+        """The data dims of this mesh, outermost first, in the order that makes the data rank.
+
+        The data rank of a rank is the row-major index of its coordinates on these
+        dims (in this order), divided by ``ulysses_size``. Which order depends on the
+        kind of mesh:
+
+        - **Twinkle meshes** (data dims ``dp`` and/or ``fsdp``: :meth:`from_sizes` and
+          meshes built by hand with Twinkle's names): ``('dp', 'fsdp')``, i.e. Twinkle's
+          rule ``data_rank = dp_rank * fsdp_world_size + fsdp_rank``, whatever the mesh
+          order. ``from_sizes`` puts ``fsdp`` outermost, so this is *not* torch's
+          flatten order of ``mesh['fsdp', 'dp']``; it is what Twinkle scripts compute
+          with ``mesh.data_rank`` to slice their own data, so our routing agrees with
+          them row for row.
+        - **NeMo-style meshes** (any of ``dp_replicate`` / ``dp_shard``:
+          :mod:`twinkle_ray.mesh_factory`): the data dims in mesh order, which is
+          torch's flatten order: the data rank is the local rank in the flattened
+          ``'dp'`` group that FSDP2/HSDP training code reads.
+
+        Example::
+
+            >>> DeviceMesh.from_sizes(fsdp_size=3, dp_size=2).data_dims_order
+            ('dp', 'fsdp')
+            >>> m = DeviceMesh.from_sizes(fsdp_size=3, dp_size=2)
+            >>> [m.get_data_rank_from_global_rank(r) for r in range(6)]
+            [0, 3, 1, 4, 2, 5]
+        """
+        present = tuple(n for n in self.mesh_dim_names if n in DATA_DIMS)
+        if set(present) <= set(TWINKLE_DATA_ORDER):
+            return tuple(n for n in TWINKLE_DATA_ORDER if n in present)
+        return present
+
     def _data_rank_of(self, coord: tuple[int, ...]) -> int:
-        axes = tuple(i for i, n in enumerate(self.mesh_dim_names) if n in DATA_DIMS)
+        """The one data-rank rule (see :attr:`data_dims_order`) for a coordinate.
+
+        ``data_rank``, ``get_data_rank_from_global_rank``, ``get_slice``,
+        ``get_collect_ranks`` and, through them, ``slice_dp`` routing (eager and
+        lazy) and the samplers all come here.
+        """
+        axes = tuple(self.mesh_dim_names.index(n) for n in self.data_dims_order)
         return self._index_on(axes, coord) // (self.ulysses_size or 1)
 
     @property
@@ -472,9 +517,9 @@ class DeviceMesh:
     def data_rank(self) -> int | None:
         """Data rank of the current rank; ``None`` if the current rank is not in the mesh.
 
-        It is the row-major index over the data dims in mesh order (the local
-        rank in torch's flattened group of those dims), divided by
-        ``ulysses_size``; tp/pp/cp peers share it.
+        Twinkle's rule for Twinkle meshes (``dp_rank * fsdp_world_size + fsdp_rank``),
+        torch's flatten order for NeMo-style meshes (see :attr:`data_dims_order`),
+        divided by ``ulysses_size``; tp/pp/cp peers share it.
         """
         coord = self.get_coordinate()
         return None if coord is None else self._data_rank_of(coord)
@@ -511,7 +556,7 @@ class DeviceMesh:
         if rank is None:
             if world == 1:
                 return slice(0, total_length)
-            rank = self.get_data_rank_from_global_rank(get_rank())
+            rank = self.get_data_rank_from_global_rank(Platform.get_rank())
         elif not _is_int(rank) or not 0 <= rank < world:
             raise ValueError(f"data rank {rank!r} is out of range for data_world_size {world}")
         per, extra = divmod(total_length, world)
@@ -544,11 +589,11 @@ class DeviceMesh:
 
     def is_pp_first_rank(self, rank: int | None = None) -> bool:
         """Whether ``rank`` (default: current) is in the first pipeline stage."""
-        return (get_rank() if rank is None else rank) in self.get_pp_first_ranks()
+        return (Platform.get_rank() if rank is None else rank) in self.get_pp_first_ranks()
 
     def is_pp_last_rank(self, rank: int | None = None) -> bool:
         """Whether ``rank`` (default: current) is in the last pipeline stage."""
-        return (get_rank() if rank is None else rank) in self.get_pp_last_ranks()
+        return (Platform.get_rank() if rank is None else rank) in self.get_pp_last_ranks()
 
     def get_tp_last_ranks(self) -> list[int]:
         """Sorted ranks that are last in their tensor-parallel group (all when no tp)."""
@@ -558,19 +603,23 @@ class DeviceMesh:
 
     def is_tp_last_rank(self, rank: int | None = None) -> bool:
         """Whether ``rank`` (default: current) is last in its tp group; False outside the mesh."""
-        return (get_rank() if rank is None else rank) in self.get_tp_last_ranks()
+        return (Platform.get_rank() if rank is None else rank) in self.get_tp_last_ranks()
 
     def get_collect_ranks(self) -> list[int]:
         """One global rank per data rank whose result stands for its data slice.
 
         For each data rank, the smallest rank in the last pipeline stage (tp,
-        cp and ulysses peers hold the same result). Sorted, so the results of
-        these ranks in this order are the batch in data order.
+        cp and ulysses peers hold the same result). Ordered by data rank, so the
+        results of these ranks in this order are the batch in data order (with
+        Twinkle's data-rank rule that is not always ascending: see
+        :attr:`data_dims_order`).
 
         Example::
 
             >>> DeviceMesh.from_sizes(dp_size=2, pp_size=2, tp_size=2).get_collect_ranks()
             [4, 6]
+            >>> DeviceMesh.from_sizes(fsdp_size=2, dp_size=2).get_collect_ranks()
+            [0, 2, 1, 3]
         """
         last = set(self.get_pp_last_ranks())
         best: dict[int, tuple[bool, int]] = {}
@@ -579,7 +628,7 @@ class DeviceMesh:
             data_rank = self.get_data_rank_from_global_rank(rank)
             if data_rank not in best or key < best[data_rank]:
                 best[data_rank] = key
-        return sorted(rank for _, rank in best.values())
+        return [best[d][1] for d in sorted(best)]
 
     # ------------------------------------------------------------- torch
     def to_torch(self, device_type: str | None = None) -> Any:

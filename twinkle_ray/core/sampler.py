@@ -144,6 +144,7 @@ class DeviceMeshSampler:
             raise ValueError(f"num_items must be a non-negative integer, got {num_items!r}")
         self.data_world_size = _data_world_size(data_world_size, device_mesh)
         _check_batch_size(batch_size, self.data_world_size)
+        self.device_mesh = device_mesh
         self.num_items = num_items
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -186,18 +187,46 @@ class DeviceMeshSampler:
         start, stop = self._bounds[step]
         return self.order(epoch)[start:stop].tolist()
 
-    def rank_part(self, batch: Sequence[T], data_rank: int) -> list[T]:
-        """Data rank ``data_rank``'s part of a global batch (== ``mesh.get_slice``)."""
+    def current_data_rank(self) -> int:
+        """The data rank of this process: ``device_mesh.data_rank`` (the mesh's one rule,
+        Twinkle's ``dp_rank * fsdp_world_size + fsdp_rank`` on a ``from_sizes`` mesh),
+        0 when the data world size is 1.
+
+        Raises ``ValueError`` without a mesh (or outside it) when there are several data ranks.
+        """
+        if self.data_world_size == 1:
+            return 0
+        rank = None if self.device_mesh is None else self.device_mesh.data_rank
+        if rank is None:
+            raise ValueError(
+                f"DeviceMeshSampler: which of the {self.data_world_size} data ranks is this "
+                f"process? "
+                + ("Pass data_rank= (the sampler has no device_mesh)" if self.device_mesh is None
+                   else "This process's rank is not in the device mesh; pass data_rank=")
+            )
+        return int(rank)
+
+    def rank_part(self, batch: Sequence[T], data_rank: int | None = None) -> list[T]:
+        """Data rank ``data_rank``'s part of a global batch (== ``mesh.get_slice``).
+
+        Without ``data_rank``: this process's (:meth:`current_data_rank`), as
+        Twinkle's sampler slices ``batch[device_mesh.get_slice(len(batch))]``.
+        """
+        if data_rank is None:
+            data_rank = self.current_data_rank()
         if not 0 <= data_rank < self.data_world_size:
             raise ValueError(f"data rank {data_rank} is out of range for data world size {self.data_world_size}")
         start, stop = span(len(batch), self.data_world_size, data_rank)
         return list(batch[start:stop])
 
-    def rank_batches(self, data_rank: int, epoch: int | None = None) -> Iterator[list[int]]:
+    def rank_batches(self, data_rank: int | None = None, epoch: int | None = None) -> Iterator[list[int]]:
         """One data rank's batches of ``epoch`` (default: the current one), from step 0.
 
+        ``data_rank`` defaults to this process's (:meth:`current_data_rank`).
         Does not move the sampler's position.
         """
+        if data_rank is None:
+            data_rank = self.current_data_rank()
         e = self.epoch if epoch is None else epoch
         for step in range(len(self)):
             yield self.rank_part(self.batch(e, step), data_rank)

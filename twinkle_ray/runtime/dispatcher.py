@@ -34,6 +34,7 @@ from typing import Any
 
 import ray
 
+from ..core import defaults
 from ..core.dispatch import worker_data_ranks
 from ..core.group import DeviceGroup
 from ..core.routing import peer_workers
@@ -68,11 +69,11 @@ class GangSpec:
     pg: Any
     mesh: Any = None
     distributed: bool | None = None
-    dist_timeout_s: float = 120.0
-    seed: int | None = 42
+    dist_timeout_s: float = defaults.DIST_TIMEOUT_S
+    seed: int | None = defaults.SEED
     namespace: str | None = None
     max_restarts: int = 0
-    stuck_grace_s: float | None = 3.0  # None: never presume ranks stuck after a failure
+    stuck_grace_s: float | None = defaults.STUCK_GRACE_S  # None: never presume ranks stuck after a failure
     env: dict[str, str] = field(default_factory=dict)
     # metrics and 'group/Class.method' task names; TWINKLE_METRICS=0 where the gang is created: off
     metrics: bool = field(default_factory=metrics_enabled)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ..core import defaults
 from .dispatcher import GangSpec, RemoteDispatcher
 from .lazy import GangRef
 from .proxy import GangProxy, put_large, wait_with_progress
@@ -26,7 +27,7 @@ def create_gang(
     execute: str,
     distributed: bool | None,
     max_restarts: int,
-    stuck_grace_s: float | None = 3.0,
+    stuck_grace_s: float | None = defaults.STUCK_GRACE_S,
     group_name: str,
     args: tuple,
     kwargs: dict,
@@ -101,5 +102,6 @@ def create_gang(
         n_workers=len(slots),
     )
     proxy = GangProxy(cls, gang, execute, runtime.lazy_collect, desc)
-    runtime.register(proxy)
+    runtime.register(proxy, group.name,
+                     [s.bundle_index for s, o in zip(slots, owns, strict=True) if o])
     return proxy

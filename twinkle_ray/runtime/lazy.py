@@ -24,7 +24,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from ..core.dispatch import collect as collect_results
-from ..core.dispatch import concat, span, take
+from ..core.dispatch import collect_sources, concat, span, take
 from ..core.routing import locate
 from .errors import CallTimeoutError, WorkerDiedError, dead_worker, describe_actor_death
 
@@ -180,12 +180,17 @@ class Collected:
     method: str = ""
 
     def materialize(self, lengths: tuple = ()) -> Any:
+        # Only the outputs the collect reads are pulled ('last_pp': the last stage's, one per
+        # data rank; 'last_pp_first': one).
+        keep = collect_sources(self.collect, self.workers, device_mesh=self.mesh,
+                               gpus_per_worker=self.gpus_per_worker)
+        workers = [self.workers[k] for k in keep]
         return collect_results(
             self.collect,
-            pull(self.refs, self.producer, self.method, self.workers),
+            pull([self.refs[k] for k in keep], self.producer, self.method, workers),
             device_mesh=self.mesh,
             gpus_per_worker=self.gpus_per_worker,
-            worker_indices=self.workers,
+            worker_indices=workers,
         )
 
 

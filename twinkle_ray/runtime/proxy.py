@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -29,6 +30,7 @@ import ray
 
 from ..core.dispatch import dispatch as split_args
 from ..core.functions import DEFAULT_FUNCTION, RemoteFunction
+from ..core.platform import Platform
 from .lazy import GangRef, LazyResult, fetch
 
 logger = logging.getLogger(__name__)
@@ -138,7 +140,7 @@ def _caller() -> tuple[int, int] | None:
     """(rank, world size) when called from inside a gang worker, else None."""
     if "TWINKLE_WORKER" not in os.environ:
         return None
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return Platform.get_rank(), Platform.get_world_size()
 
 
 class RemoteMethod:
@@ -172,6 +174,8 @@ class GangProxy:
         self._lazy_default = lazy_default
         self._desc = desc
         self._closed: str | None = None
+        # Set by the runtime that made this gang (never pickled): called once by close().
+        self._on_close: Callable[[], None] | None = None
         self._methods: dict[str, RemoteMethod] = {}
         # Calls are numbered per proxy so the dispatcher takes them in the order made here.
         self._caller_id = uuid.uuid4().hex
@@ -308,10 +312,12 @@ class GangProxy:
         return ray.get(self._gang.dispatcher.describe.remote())
 
     def close(self, reason: str = "closed") -> None:
-        """Kill the workers and the dispatcher. Idempotent."""
+        """Kill the workers and the dispatcher, and drop the gang from the runtime. Idempotent."""
         if self._closed:
             return
         self._closed = reason
+        if self._on_close is not None:  # off the runtime's gang table; devices back to the group
+            self._on_close()
         d = self._gang.dispatcher
         try:
             ray.get(d.stop.remote(), timeout=10)

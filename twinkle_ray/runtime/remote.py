@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from ..core import defaults
 from ..core.dispatch import check_execute
 from .session import gang_for
 
@@ -34,7 +35,7 @@ def remote_class(
     *,
     distributed: bool | None = None,
     max_restarts: int = 0,
-    stuck_grace_s: float | None = 3.0,
+    stuck_grace_s: float | None = defaults.STUCK_GRACE_S,
 ) -> Callable[[type], type]:
     """Make a class constructible as a gang: ``Cls(..., remote_group='name')``.
 

@@ -24,11 +24,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core import defaults
 from ..core.group import DeviceGroup, check_groups
 
 logger = logging.getLogger(__name__)
 
 _RESOURCE_KWARGS = ("num_cpus", "num_gpus", "resources", "object_store_memory", "labels")
+# Keywords of Twinkle's initialize() that have no meaning here, and why (docs/twinkle.md).
+_TWINKLE_ONLY = {
+    "nproc_per_node": "Ray knows every node's devices; for explicit device ids that span nodes "
+                      "set DeviceGroup(gpus_per_node=...)",
+    "ncpu_proc_per_node": "Ray knows every node's CPUs; CPU groups declare their worker count",
+    "full_determinism": "each worker is seeded with seed=; deterministic kernels are the "
+                        "user class's choice (torch.use_deterministic_algorithms)",
+    "global_device_mesh": "pass the DeviceMesh to the class that uses it",
+    "name": "gangs are named 'group/Class' in the Ray namespace (namespace=)",
+    "notifier": "errors are raised to the caller with group, rank and method named",
+}
 
 
 @dataclass
@@ -38,16 +50,17 @@ class Runtime:
     mode: str
     groups: dict[str, DeviceGroup]
     namespace: str | None = None
-    seed: int | None = 42
-    lazy_collect: bool = True
-    placement_timeout_s: float = 60.0
-    start_timeout_s: float | None = 600.0
-    dist_timeout_s: float = 120.0
+    seed: int | None = defaults.SEED
+    lazy_collect: bool = defaults.LAZY_COLLECT
+    placement_timeout_s: float = defaults.PLACEMENT_TIMEOUT_S
+    start_timeout_s: float | None = defaults.START_TIMEOUT_S
+    dist_timeout_s: float = defaults.DIST_TIMEOUT_S
     started_ray: bool = False
     pgs: dict[str, Any] = field(default_factory=dict)
     slots: dict[str, list] = field(default_factory=dict)
     claimed: dict[str, set] = field(default_factory=dict)
     gangs: list = field(default_factory=list)
+    owned: dict = field(default_factory=dict)  # gang label -> (group, bundles it took devices of)
     labels: Counter = field(default_factory=Counter)
     adopted: set = field(default_factory=set)  # groups on a placement group someone else owns
 
@@ -77,8 +90,20 @@ class Runtime:
     def release(self, group: str, bundles: list[int]) -> None:
         self.claimed.get(self._device_key(group), set()).difference_update(bundles)
 
-    def register(self, proxy) -> None:
+    def register(self, proxy, group: str | None = None, bundles: list[int] | None = None) -> None:
+        """Add a gang to the table; ``bundles``: those it took the devices of (see claim)."""
         self.gangs.append(proxy)
+        label = proxy._desc["label"]
+        if group is not None:
+            self.owned[label] = (group, list(bundles or []))
+        proxy._on_close = lambda: self.forget(label)
+
+    def forget(self, label: str) -> None:
+        """Drop the gang ``label`` from the table and give its devices back to the group."""
+        self.gangs[:] = [p for p in self.gangs if p._desc["label"] != label]
+        group, bundles = self.owned.pop(label, (None, []))
+        if group is not None:
+            self.release(group, bundles)
 
 
 _runtime: Runtime | None = None
@@ -95,9 +120,11 @@ def initialize(
     *,
     address: str | None = None,
     namespace: str | None = None,
-    seed: int | None = 42,
-    lazy_collect: bool = True,
-    placement_timeout_s: float = 60.0,
+    seed: int | None = defaults.SEED,
+    lazy_collect: bool = defaults.LAZY_COLLECT,
+    placement_timeout_s: float = defaults.PLACEMENT_TIMEOUT_S,
+    start_timeout_s: float | None = defaults.START_TIMEOUT_S,
+    dist_timeout_s: float = defaults.DIST_TIMEOUT_S,
     **ray_init_kwargs: Any,
 ) -> None:
     """Start twinkle_ray: connect Ray and reserve every DeviceGroup.
@@ -116,6 +143,10 @@ def initialize(
     job's namespace (when Ray is already initialised, an explicit namespace
     still names our actors, e.g. one per Serve replica).
 
+    ``start_timeout_s`` bounds a gang's start-up (workers up, torch.distributed
+    joined, instance built; None: no bound) and ``dist_timeout_s`` is each gang's
+    torch.distributed timeout; both must be positive.
+
     mode='local': no Ray; remote classes are built in-process.
 
     Calling it again adds new groups; re-declaring a group differently, or
@@ -128,13 +159,24 @@ def initialize(
     mode = str(mode).lower()
     if mode not in ("ray", "local"):
         raise ValueError(f"initialize: unknown mode {mode!r}; use 'ray' or 'local'")
+    for name, value in (("placement_timeout_s", placement_timeout_s),
+                        ("start_timeout_s", start_timeout_s), ("dist_timeout_s", dist_timeout_s)):
+        if value is None and name == "start_timeout_s":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ValueError(f"initialize: {name} must be a positive number of seconds, got {value!r}")
+    twinkle_only = [k for k in ray_init_kwargs if k in _TWINKLE_ONLY]
+    if twinkle_only:
+        k = twinkle_only[0]
+        raise TypeError(f"initialize: {k!r} is a Twinkle keyword with no meaning here: {_TWINKLE_ONLY[k]}")
     new = list(groups or [])
     check_groups(new)
     if _runtime is not None:
         _extend(_runtime, mode, new)
         return
     rt = Runtime(mode=mode, groups={}, namespace=namespace, seed=seed, lazy_collect=lazy_collect,
-                 placement_timeout_s=placement_timeout_s)
+                 placement_timeout_s=placement_timeout_s, start_timeout_s=start_timeout_s,
+                 dist_timeout_s=dist_timeout_s)
     if mode == "ray":
         rt.started_ray = _connect(address, namespace, ray_init_kwargs)
         try:
@@ -368,7 +410,7 @@ def _teardown(rt: Runtime) -> None:
 
     from .placement import remove
 
-    for proxy in rt.gangs:
+    for proxy in list(rt.gangs):  # close() takes each off the table
         proxy.close("twinkle_ray.shutdown() was called")
     rt.gangs.clear()
     if ray.is_initialized():
@@ -396,8 +438,11 @@ def get(value: Any, timeout: float | None = None) -> Any:
     return value
 
 
-def get_device_placement(groups: list[str] | None = None) -> str:
+def get_device_placement(groups: Sequence[str | DeviceGroup] | None = None) -> str:
     """A text picture of the groups: which node and devices each rank has, and the gangs on it.
+
+    ``groups``: the groups to show, by name or as the declared ``DeviceGroup``
+    objects (Twinkle passes its group list); default all.
 
     >>> initialize("local", groups=[DeviceGroup("data", 1, "cpu")])
     >>> print(get_device_placement())
@@ -408,7 +453,7 @@ def get_device_placement(groups: list[str] | None = None) -> str:
     rt = _runtime
     if rt is None:
         return "twinkle_ray is not initialised"
-    names = list(groups) if groups else list(rt.groups)
+    names = [g.name if isinstance(g, DeviceGroup) else g for g in groups] if groups else list(rt.groups)
     lines = [f"twinkle_ray topology ({'local mode: everything runs in-process' if rt.mode == 'local' else 'ray mode'})"]
     for name in names:
         g = rt.group(name)

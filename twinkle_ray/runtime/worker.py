@@ -8,8 +8,10 @@ calling the method.
 
 Example (what the dispatcher does)::
 
-    w = make_worker(info, slot, pg, owns_bundle=True)
-    ray.get(w.start.remote(master_addr, port, dist, ...))
+    w = make_worker(info, pg, slot.bundle_index, resource_name="GPU", amount=1, cpus=1,
+                    namespace=ns)
+    _, port = ray.get(workers[0].endpoint.remote())       # rank 0's node IP and a free port
+    ray.get(w.start.remote(port, True, dist_timeout_s, seed, cls, args, kwargs))
     out, meta = w.run.options(num_returns=2).remote("forward", batch)
 """
 
