@@ -8,7 +8,8 @@ Nothing is downloaded: the model is ``LlamaForCausalLM(LlamaConfig(...))`` with 
 seeded random init (float32, untied embeddings: Megatron's GPTModel default, so
 the HF <-> Megatron mapping needs no tying), and the tokenizer is a
 character-level ``PreTrainedTokenizerFast`` built with the ``tokenizers``
-library over the digits, ``=`` and the special tokens (token id of digit d is d).
+library over the digits, ``=`` and the special tokens (token id of digit d is d;
+16 tokens, so the vocabulary splits over TP=2, 4, 8 or 16 without padding).
 
 The sizes suit both engines on CPU: head_dim 32 (vLLM's CPU attention refuses
 16; it supports 32, 64, 80, 96, 112, 128, ...), 4 attention heads and 2 KV
@@ -30,8 +31,11 @@ import sys
 import numpy as np
 
 DIGITS = "0123456789"
-SPECIAL = {"eq": "=", "bos": "<bos>", "eos": "<eos>", "pad": "<pad>", "unk": "<unk>"}
-VOCAB = [*DIGITS, *SPECIAL.values()]  # token id of digit d is d
+SPECIAL = {"eq": "=", "bos": "<bos>", "eos": "<eos>", "pad": "<pad>", "unk": "<unk>", "sep": "<sep>"}
+# Token id of digit d is d. 16 tokens (``<sep>`` is unused by the task): a vocabulary divisible by the
+# TP size, so Megatron's vocab-parallel embedding and output layer need no padding rows (padding
+# rows would add logits that vLLM and HF do not have, and the log-probs would differ).
+VOCAB = [*DIGITS, *SPECIAL.values()]
 # head_dim = hidden_size / num_attention_heads = 32; heads and KV heads divisible by TP=2.
 TINY_LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
