@@ -42,7 +42,12 @@ def tiny(tmp_path_factory):
     """The tiny HF Llama checkpoint (tiny_llama.py), its state dict and a vLLM-shaped rollout batch."""
     import torch
 
-    from examples.vllm_megatron.tiny_llama import build_model, build_tokenizer, make_prompts, save_tiny_llama
+    from examples.vllm_megatron.tiny_llama import (
+        build_model,
+        build_tokenizer,
+        make_prompts,
+        save_tiny_llama,
+    )
 
     path = save_tiny_llama(str(tmp_path_factory.mktemp("tiny") / "init"), seed=3)
     model = build_model(3).eval()

@@ -421,17 +421,17 @@ class MegatronTrainer(WeightSyncMixin):
                         full[n] = t
                 del stage
         nbytes = sum(t.numel() * t.element_size() for t in full.values())
-        return full, {"gather_s": time.perf_counter() - start, "gather_mb": nbytes / 2**20}
+        self.last_gather = {"gather_s": time.perf_counter() - start, "gather_mb": nbytes / 2**20,
+                            "tensors": len(full)}
+        return full, self.last_gather
 
     def weight_sync_tensors(self) -> dict:
         """{HF name: full fp32 CPU tensor} on rank 0, {} on the other ranks (all take part in the gather)."""
-        full, stats = self._gather_hf()
-        self.last_gather = stats
-        return full
+        return self._gather_hf()[0]
 
     @remote_function(dispatch="all", collect="first")
     def gather_stats(self) -> dict:
-        """Time and MB of this gang's last weight gather (rank 0's view)."""
+        """Seconds, MB (2**20 bytes) and tensor count of this gang's last gather, as rank 0 saw it."""
         return dict(getattr(self, "last_gather", {}))
 
     @remote_function(dispatch="all", collect="first")
