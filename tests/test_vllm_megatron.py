@@ -135,6 +135,7 @@ def _run(capsys, argv: list[str]) -> tuple[dict, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # vLLM start-up alone takes minutes on a loaded 2-core machine
 @needs_stack
 def test_quick_run_learns_with_the_sampler_matching_the_trainer_every_step(ray_session, capsys, tmp_path):
     result, out = _run(capsys, ["--device", "cpu", "--quick", "--out-dir", str(tmp_path)])
@@ -144,7 +145,7 @@ def test_quick_run_learns_with_the_sampler_matching_the_trainer_every_step(ray_s
     for key in ("steps", "reward_first", "reward_last", "max_logprob_gap", "sync_mb", "sync_s",
                 "gang_startup_s", "total_s", "checkpoint"):
         assert key in result, key
-    assert result["steps"] == 20 and len(result["logprob_gaps"]) == 20
+    assert result["steps"] == 40 and len(result["logprob_gaps"]) == 40
     assert all(gap <= 1e-4 for gap in result["logprob_gaps"]), result["logprob_gaps"]
     assert result["reward_last"] > result["reward_first"] + 0.1, (result["reward_first"], result["reward_last"])
     assert result["sync_receivers"] == 2 and result["sync_mb"] > 1.0
@@ -153,8 +154,11 @@ def test_quick_run_learns_with_the_sampler_matching_the_trainer_every_step(ray_s
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 @needs_stack
 def test_pipeline_parallel_trainer_keeps_the_sampler_in_step(ray_session, capsys, tmp_path):
     result, _ = _run(capsys, ["--device", "cpu", "--pp", "2", "--steps", "3", "--out-dir", str(tmp_path)])
+    with capsys.disabled():
+        print("\n--pp 2:", {k: v for k, v in result.items() if k not in ("rewards", "logprob_gaps")})
     assert result["trainer_layout"] == "pp=2" and len(result["logprob_gaps"]) == 3
     assert result["max_logprob_gap"] <= 1e-4, result["logprob_gaps"]

@@ -195,8 +195,8 @@ def parse(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the two gangs run")
-    p.add_argument("--quick", action="store_true", help="a short run: 20 steps")
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps [60; 20 with --quick]")
+    p.add_argument("--quick", action="store_true", help="a short run: 40 steps")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps [100; 40 with --quick]")
     p.add_argument("--pp", type=int, choices=(1, 2), default=1, help="trainer: pp=2 (TP=1) instead of tp=2")
     p.add_argument("--sampler-tp", type=int, default=1, help="CUDA: GPUs per vLLM engine (tensor parallel)")
     p.add_argument("--model", default=None, help="a local HF Llama checkpoint dir [the tiny Llama, built here]")
@@ -219,7 +219,7 @@ def parse(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    steps = args.steps or (20 if args.quick else 60)
+    steps = args.steps or (40 if args.quick else 100)
     args.out_dir, args.cache_dir = os.path.abspath(args.out_dir), os.path.abspath(args.cache_dir)
     os.makedirs(args.out_dir, exist_ok=True)
     t_start = time.perf_counter()
