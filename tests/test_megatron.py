@@ -80,6 +80,52 @@ def test_bad_knobs_name_the_knob(tmp_path):
         MegatronTrainer(str(tmp_path), device_mesh=DeviceMesh.from_sizes(cp_size=2, device_type="cpu"))
 
 
+def test_missing_megatron_or_mesh_raise_clearly(tmp_path, monkeypatch):
+    from examples.vllm_megatron.common import MissingDependency
+    from examples.vllm_megatron.megatron_trainer import MegatronTrainer
+
+    with pytest.raises(TypeError, match="device_mesh must be a twinkle DeviceMesh"):
+        MegatronTrainer(str(tmp_path), device_mesh={"tp": 2})
+    monkeypatch.setitem(sys.modules, "megatron.core", None)  # as if megatron-core were not installed
+    with pytest.raises(MissingDependency, match=r"bash scripts/setup.sh rlhf"):
+        MegatronTrainer(str(tmp_path), device_mesh=DeviceMesh.from_sizes(tp_size=2, device_type="cpu"))
+
+
+@needs_megatron
+def test_a_mesh_larger_than_the_gang_is_refused(tmp_path):
+    """In-process (no torch.distributed: a world of 1) with a 2-rank mesh: refused before any Megatron set-up."""
+    from examples.vllm_megatron.megatron_trainer import MegatronTrainer
+
+    with pytest.raises(ValueError, match=r"the gang has 1 worker\(s\) but the DeviceMesh has 2 \(tp=2 x pp=1 x dp=1\)"):
+        MegatronTrainer(str(tmp_path), device_mesh=DeviceMesh.from_sizes(tp_size=2, device_type="cpu"))
+
+
+def test_unmapped_hf_configs_and_checkpoints_are_refused(tiny, tmp_path):
+    import torch
+    from transformers import AutoConfig
+
+    from examples.vllm_megatron.hf_megatron import LlamaSpec, load_hf_state
+
+    cfg = AutoConfig.from_pretrained(tiny["path"])
+    for field, value, msg in (("attention_bias", True, "attention_bias=True is not mapped"),
+                              ("hidden_act", "gelu", "hidden_act='gelu' is not mapped"),
+                              ("rope_parameters", {"rope_type": "llama3", "rope_theta": 1e4}, "rope_type 'llama3'")):
+        bad = AutoConfig.from_pretrained(tiny["path"])
+        setattr(bad, field, value)
+        with pytest.raises(ValueError, match=msg):
+            LlamaSpec.from_hf(bad)
+    spec = LlamaSpec.from_hf(cfg)
+    with pytest.raises(ValueError, match="num_hidden_layers=2 is not divisible by pp_size=4"):
+        spec.check_parallel(1, 4)
+    with pytest.raises(KeyError, match="no HF tensor for Megatron parameter 'decoder.layers.0.mlp.router.weight'"):
+        spec.shard_from_hf(tiny["state"], "decoder.layers.0.mlp.router.weight", layer_offset=0, tp_rank=0, tp=1)
+    wrong = torch.nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(ValueError, match=r"decoder.final_layernorm.weight is \(3, 3\) but the HF checkpoint gives \(128,\)"):
+        spec.load_into([("decoder.final_layernorm.weight", wrong)], tiny["state"], layer_offset=0, tp_rank=0, tp=1)
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors in"):
+        load_hf_state(str(tmp_path))
+
+
 def test_mesh_group_check_names_the_sizes():
     from examples.vllm_megatron.megatron_trainer import check_mesh_groups
 
@@ -123,6 +169,16 @@ def _trainer(runtime, tiny, mesh, **kw):
     return mt.MegatronTrainer(tiny["path"], device_mesh=mesh, remote_group="trainer", **kw)
 
 
+def _hf_logprobs(model, rows):
+    import torch
+
+    n = len(rows[0]["prompt_ids"])
+    seq = torch.tensor([r["prompt_ids"] + r["completion_ids"] for r in rows])
+    with torch.no_grad():
+        logp = model.eval()(input_ids=seq).logits[:, n - 1:-1].float().log_softmax(-1)
+    return logp.gather(-1, seq[:, n:, None])[..., 0]
+
+
 def _train(trainer, tiny, steps):
     losses, metrics = [], []
     for _ in range(steps):
@@ -158,9 +214,12 @@ def test_tp2_round_trip_logprobs_groups_and_training(runtime, tiny, tmp_path):
     after = trainer.hf_state()()
     assert any(not torch.equal(after[k], tiny["state"][k]) for k in after)
     path = trainer.save_hf(str(tmp_path / "ckpt"))()
-    loaded = LlamaForCausalLM.from_pretrained(path).state_dict()
+    loaded = LlamaForCausalLM.from_pretrained(path)
     for k, v in after.items():
-        assert torch.equal(loaded[k], v), k
+        assert torch.equal(loaded.state_dict()[k], v), k
+    # what a sampler loading these tensors computes is what the trainer computes
+    got = torch.tensor(trainer.probe_logprobs(tiny["rollouts"])())
+    assert (got - _hf_logprobs(loaded, tiny["rollouts"])).abs().max().item() <= 1e-4
 
 
 @needs_megatron
@@ -180,6 +239,8 @@ def test_pp2_groups_round_trip_and_training(runtime, tiny):
         assert torch.equal(back[k], v), k
     got = torch.tensor(trainer.probe_logprobs(tiny["rollouts"])())
     assert (got - tiny["logprobs"]).abs().max().item() <= 1e-4
+    with pytest.raises(Exception, match=r"micro_batch_size=2 does not divide this data rank's 7 rows"):
+        trainer.probe_logprobs(tiny["rollouts"][:7])()  # refused on every rank before any collective
     losses, _ = _train(trainer, tiny, 4)
     assert losses[-1] < losses[0], losses
 
@@ -193,3 +254,37 @@ def test_a_mesh_whose_layout_is_not_megatrons_is_refused(runtime, tiny):
                                         r"\[1, 0\] \(mesh sizes tp=2, pp=1, dp=1"):
         trainer = _trainer(runtime, tiny, mesh)
         trainer.mesh_report()()
+
+
+@needs_megatron
+@pytest.mark.slow
+def test_pp2_with_tied_embeddings(runtime, tiny, tmp_path):
+    """Tied embeddings over PP=2 (Megatron keeps a copy on the last stage, W8): the export has one
+    embedding, and after training the saved checkpoint computes the trainer's log-probs."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from examples.vllm_megatron.tiny_llama import build_tokenizer, model_config
+
+    torch.manual_seed(4)
+    cfg = model_config()
+    cfg.tie_word_embeddings = True
+    hf = LlamaForCausalLM(cfg).float().eval()
+    path = str(tmp_path / "tied")
+    hf.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    mt = _modules()
+    runtime.initialize("ray", groups=[DeviceGroup("trainer", 2, "cpu")])
+    trainer = mt.MegatronTrainer(path, device_mesh=DeviceMesh.from_sizes(pp_size=2, device_type="cpu"), lr=2e-3,
+                                 remote_group="trainer")
+    back = trainer.hf_state()()
+    want = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    assert sorted(back) == sorted(want)
+    assert all(torch.equal(back[k], v) for k, v in want.items())
+    got = torch.tensor(trainer.probe_logprobs(tiny["rollouts"])())
+    assert (got - _hf_logprobs(hf, tiny["rollouts"])).abs().max().item() <= 1e-4
+    _train(trainer, tiny, 2)
+    loaded = LlamaForCausalLM.from_pretrained(trainer.save_hf(str(tmp_path / "ckpt"))())
+    assert not torch.equal(loaded.model.embed_tokens.weight, hf.model.embed_tokens.weight)
+    got = torch.tensor(trainer.probe_logprobs(tiny["rollouts"])())
+    assert (got - _hf_logprobs(loaded, tiny["rollouts"])).abs().max().item() <= 1e-4

@@ -189,6 +189,18 @@ class LlamaSpec:
         dim = 1 if rest in _ROW_PARALLEL else 0
         return full.chunk(tp, dim)[tp_rank].clone()
 
+    def load_into(self, named_params: Any, hf: dict[str, Any], *, layer_offset: int, tp_rank: int, tp: int) -> None:
+        """Copy every Megatron parameter's TP shard from the HF tensors; ValueError on a shape mismatch."""
+        import torch
+
+        with torch.no_grad():
+            for name, param in named_params:
+                local = self.shard_from_hf(hf, name, layer_offset=layer_offset, tp_rank=tp_rank, tp=tp)
+                if tuple(local.shape) != tuple(param.shape):
+                    raise ValueError(f"hf_megatron: Megatron parameter {name} is {tuple(param.shape)} but the HF "
+                                     f"checkpoint gives {tuple(local.shape)} for tp rank {tp_rank} of {tp}")
+                param.copy_(local)
+
     # ------------------------------------------------------------------------ Megatron shards -> HF
     @staticmethod
     def tp_dim(name: str) -> int | None:

@@ -185,7 +185,8 @@ class MegatronTrainer(WeightSyncMixin):
             model = GPTModel(self.config, get_gpt_layer_local_spec(normalization="RMSNorm"),
                              pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                              **gpt_kwargs)
-            self._load_hf(model, load_hf_state(hf_path))
+            self.spec.load_into(model.named_parameters(), load_hf_state(hf_path), layer_offset=self.layer_offset,
+                                tp_rank=self.tp_rank, tp=self.tp)
             model.to(self.device)
             self.model = [DistributedDataParallel(self.config, DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, use_distributed_optimizer=False), model)]
@@ -209,18 +210,6 @@ class MegatronTrainer(WeightSyncMixin):
         return {"tp": dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
                 "pp": dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
                 "dp": dist.get_process_group_ranks(ps.get_data_parallel_group())}
-
-    def _load_hf(self, model: Any, hf: dict) -> None:
-        import torch
-
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                local = self.spec.shard_from_hf(hf, name, layer_offset=self.layer_offset,
-                                                tp_rank=self.tp_rank, tp=self.tp)
-                if tuple(local.shape) != tuple(param.shape):
-                    raise ValueError(f"MegatronTrainer: {name} is {tuple(param.shape)} on rank {get_rank()} but "
-                                     f"the HF checkpoint gives {tuple(local.shape)} (tp={self.tp}, pp={self.pp})")
-                param.copy_(local)
 
     def _pp_broadcast(self, obj: Any) -> Any:
         """The last PP stage's ``obj``, on every rank of this rank's PP group."""
