@@ -396,19 +396,18 @@ class MegatronTrainer(WeightSyncMixin):
         if self.pp > 1 and self.dp_rank == 0 and self.tp_rank == 0:  # stages > 0 send theirs to rank 0
             pp_group = ps.get_pipeline_model_parallel_group()
             ranks = dist.get_process_group_ranks(pp_group)
-            for stage, src in enumerate(ranks[1:], start=1):
+            for src in ranks[1:]:  # on the backend's device (NCCL sends CUDA tensors only), kept on the CPU
                 if get_rank() == src:
                     dist.send_object_list([[(n, tuple(t.shape)) for n, t in mine]], dst=ranks[0], group=pp_group)
                     for _, t in mine:
-                        dist.send(t.contiguous(), dst=ranks[0], group=pp_group)
+                        dist.send(t.to(self.device).contiguous(), dst=ranks[0], group=pp_group)
                 elif get_rank() == ranks[0]:
                     box = [None]
                     dist.recv_object_list(box, src=src, group=pp_group)
                     for n, shape in box[0]:
-                        t = torch.empty(shape, dtype=torch.float32)
+                        t = torch.empty(shape, dtype=torch.float32, device=self.device)
                         dist.recv(t, src=src, group=pp_group)
-                        full[n] = t
-                del stage
+                        full[n] = t.cpu()
         nbytes = sum(t.numel() * t.element_size() for t in full.values())
         self.last_gather = {"gather_s": time.perf_counter() - start, "gather_mb": nbytes / 2**20,
                             "tensors": len(full)}
