@@ -207,6 +207,14 @@ def test_tp2_round_trip_logprobs_groups_and_training(runtime, tiny, tmp_path):
     # the TP=2 model's log-probs (vocab-parallel cross-entropy over its logits) equal HF's within 1e-4
     got = torch.tensor(trainer.probe_logprobs(tiny["rollouts"])())
     assert (got - tiny["logprobs"]).abs().max().item() <= 1e-4
+    # and its logits over the whole vocabulary (TP shards gathered) equal HF's within 1e-4
+    from examples.vllm_megatron.tiny_llama import build_model
+
+    seq = torch.tensor([r["prompt_ids"] + r["completion_ids"] for r in tiny["rollouts"]])
+    with torch.no_grad():
+        want = build_model(3).eval()(input_ids=seq).logits.float()
+    logits = trainer.full_logits(tiny["rollouts"])()
+    assert logits.shape == want.shape and (logits - want).abs().max().item() <= 1e-4
     losses, metrics = _train(trainer, tiny, 4)
     assert metrics[0]["ratio_err"] <= 1e-4, metrics[0]  # rollout log-probs are the trainer's
     assert losses[-1] < losses[0], losses

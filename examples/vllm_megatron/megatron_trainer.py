@@ -304,18 +304,14 @@ class MegatronTrainer(WeightSyncMixin):
                 "step_s": time.perf_counter() - start}
 
     # ------------------------------------------------------------------------ inspection
-    @remote_function(dispatch="all", collect="first")
-    def probe_logprobs(self, probe: list[dict]) -> list[list[float]]:
-        """For each row, log p(completion_ids[j] | prompt_ids + completion_ids[:j]), fp32, eval mode.
-
-        Every rank takes part (TP / PP collectives); every rank returns the same rows.
-        """
+    def _forward_only(self, rows: list[dict], per_micro_batch: Any) -> list:
+        """Forward-only pass of Megatron's schedule over padded ``rows``; ``per_micro_batch(logits, batch)``'s
+        results (last PP stage; [] elsewhere). Every rank takes part."""
         import torch
-        from megatron.core import tensor_parallel
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         rows = [{"prompt_ids": list(r["prompt_ids"]), "completion_ids": list(r["completion_ids"]),
-                 "logprobs": []} for r in probe]
+                 "logprobs": []} for r in rows]
         batch = pad_batch(rows, {"advantage": [0.0] * len(rows)}, self.device)
         micro, mbs = self._micro_batches(batch, len(rows))
 
@@ -323,9 +319,7 @@ class MegatronTrainer(WeightSyncMixin):
             b = next(data_iterator)
 
             def loss_func(output):
-                logp = -tensor_parallel.vocab_parallel_cross_entropy(
-                    output[:, :-1].float().clone(), b["tokens"][:, 1:].contiguous())
-                return logp.sum() * 0.0, {"logp": logp.detach()}
+                return output.sum() * 0.0, {"out": per_micro_batch(output, b)}
 
             return model(b["tokens"], b["position_ids"], None), loss_func
 
@@ -336,14 +330,44 @@ class MegatronTrainer(WeightSyncMixin):
                 forward_step_func=forward_step, data_iterator=iter(micro), model=self.model,
                 num_microbatches=len(micro), seq_length=batch["tokens"].shape[1], micro_batch_size=mbs,
                 forward_only=True)
+        return [o["out"] for o in out]
+
+    @remote_function(dispatch="all", collect="first")
+    def probe_logprobs(self, probe: list[dict]) -> list[list[float]]:
+        """For each row, log p(completion_ids[j] | prompt_ids + completion_ids[:j]), fp32, eval mode.
+
+        Log-probs come from ``vocab_parallel_cross_entropy`` over the TP vocabulary shards. Every rank
+        takes part (TP / PP collectives); every rank returns the same rows.
+        """
+        import torch
+        from megatron.core import tensor_parallel
+
+        def logp(output, b):
+            return -tensor_parallel.vocab_parallel_cross_entropy(
+                output[:, :-1].float().clone(), b["tokens"][:, 1:].contiguous())
+
+        parts = self._forward_only(probe, logp)
         result = None
-        if out:
-            logp = torch.cat([o["logp"] for o in out], 0)
+        if parts:
+            lp = torch.cat(parts, 0)
             result = []
-            for i, r in enumerate(rows):
+            for i, r in enumerate(probe):
                 s, n = len(r["prompt_ids"]) - 1, len(r["completion_ids"])
-                result.append([float(x) for x in logp[i, s:s + n]])
+                result.append([float(x) for x in lp[i, s:s + n]])
         return self._pp_broadcast(result)
+
+    @remote_function(dispatch="all", collect="first")
+    def full_logits(self, rows: list[dict]) -> Any:
+        """Logits over the whole vocabulary ([rows, width, vocab], fp32 CPU; TP shards gathered) of
+        ``prompt_ids + completion_ids`` (rows padded to one width). For checks against HF."""
+        import torch
+        from megatron.core import tensor_parallel
+
+        def gather(output, b):
+            return tensor_parallel.gather_from_tensor_model_parallel_region(output.float()).cpu()
+
+        parts = self._forward_only(rows, gather)
+        return self._pp_broadcast(torch.cat(parts, 0) if parts else None)
 
     @remote_function(dispatch="all", collect="flatten")
     def mesh_report(self) -> list[dict]:
