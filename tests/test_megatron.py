@@ -21,7 +21,15 @@ if str(ROOT) not in sys.path:
 
 from twinkle_ray import DeviceGroup, DeviceMesh  # noqa: E402
 
-HAVE_MEGATRON = importlib.util.find_spec("megatron.core") is not None
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # the parent package is missing
+        return False
+
+
+HAVE_MEGATRON = _installed("megatron.core")
 needs_megatron = pytest.mark.skipif(
     not HAVE_MEGATRON, reason="megatron-core is not installed: run `bash scripts/setup.sh rlhf`")
 
