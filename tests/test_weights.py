@@ -234,3 +234,190 @@ def test_sync_only_changed_and_named_subsets_through_gangs(gangs):
     trainer.bump("0.weight")()
     sync_weights(trainer, sampler)  # the channel recovers after a failed sync
     _check_identical(trainer, sampler)
+
+
+# ------------------------------------------------------------------------------ receivers: the fan-out hook
+def test_receiver_end_rejects_unknown_ops_and_missing_ranks():
+    from twinkle_ray.weights import ReceiverEnd, WeightSync
+
+    end = ReceiverEnd(lambda buckets: None, index=1)
+    with pytest.raises(ValueError, match="unknown receiver operation 'send'"):
+        end.call("send")
+    with pytest.raises(RuntimeError, match="no rank for receiver index 1"):
+        end.call("join", "ws-x", "127.0.0.1", 1, [[0, 1]], 2, "gloo", 5.0)
+    with pytest.raises(RuntimeError, match="not set up in this receiver"):
+        end.call("recv", "ws-x")
+    assert end.call("probe")["index"] == 1 and end.call("ready", "ws-x") is False
+    # Ranks are handed out once, by the driver: gang, worker, then receiver index order.
+    plan = WeightSync._rank_plan([[{"rank": 1, "index": 0}, {"rank": 0, "index": 1}, {"rank": 0, "index": 0}],
+                                  [{"rank": 0, "index": 0}]])
+    assert plan == [{0: [[0, 1], [1, 2]], 1: [[0, 3]]}, {0: [[0, 4]]}]
+
+
+def test_receive_drains_what_the_consumer_leaves_and_raises_its_error():
+    src = {"a": torch.randn(100, 100), "b": torch.randn(100, 100), "c": torch.randn(10)}
+    host, recv = _pair(n_receivers=1)
+    try:
+        def stops_early(buckets):
+            next(buckets)
+            raise RuntimeError("engine refused the weights")
+
+        stats, errs = _run(lambda: host.send(src.items(), bucket_mb=0.05), [lambda: recv[0].receive(stops_early)])
+        assert stats.buckets == 2  # a | b + c: the consumer takes the first only
+        assert isinstance(errs[0], RuntimeError) and "engine refused" in str(errs[0])
+        got = {}
+        stats, errs = _run(lambda: host.send(src.items(), bucket_mb=0.05),  # the channel is still in step
+                           [lambda: recv[0].receive(lambda bs: got.update({n: t.clone() for b in bs for n, t in b}))])
+        assert errs[0].tensors == 3 and digests(got) == digests(src)
+    finally:
+        host.close()
+        recv[0].close()
+
+
+def _small_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Linear(10, 3))  # uneven shards of 10 rows
+
+
+@remote_class()
+class SmallTrainer(WeightSyncMixin):
+    def __init__(self, device_mesh: DeviceMesh):
+        self.model = _small_model(seed=5)
+
+    @remote_function(dispatch="all", collect="first")
+    def state(self) -> dict:
+        return {n: t.clone() for n, t in self.model.state_dict().items()}
+
+    @remote_function(dispatch="all")
+    def bump(self, name: str) -> None:
+        with torch.no_grad():
+            self.model.state_dict()[name].add_(1)
+
+
+class FakeEngine:
+    """An engine with worker processes of its own, as vLLM with TP=2: here two threads, each a
+    receiver (its own ReceiverEnd, index = its worker rank) loading into its own state dict."""
+
+    def __init__(self, workers: int, seed: int):
+        from twinkle_ray.weights import ReceiverEnd
+
+        self.states = [_small_model(seed).state_dict() for _ in range(workers)]
+        self.ends = [ReceiverEnd(lambda buckets, s=s: self._load(s, buckets), index=i)
+                     for i, s in enumerate(self.states)]
+
+    @staticmethod
+    def _load(state, buckets):
+        from twinkle_ray.weights import load_into
+
+        for items in buckets:
+            problems = load_into(state, items)
+            assert not problems, problems
+
+    def collective_rpc(self, op, *args):
+        """Every worker runs the call concurrently (a rendezvous like join needs them all)."""
+        out: list = [None] * len(self.ends)
+
+        def run(i):
+            try:
+                out[i] = self.ends[i].call(op, *args)
+            except Exception as e:  # re-raised below
+                out[i] = e
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(self.ends))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for o in out:
+            if isinstance(o, Exception):
+                raise o
+        return out
+
+
+@remote_class()
+class EngineSampler(WeightSyncMixin):
+    """A receiver that is not a torch module: only the fan-out hook is overridden."""
+
+    def __init__(self, device_mesh: DeviceMesh):
+        self.engine = FakeEngine(workers=2, seed=3)
+
+    def weight_sync_tensors(self):
+        raise AssertionError("a receiver must never call the source-side weight_sync_tensors()")
+
+    def weight_sync_fanout(self, op, *args):
+        return self.engine.collective_rpc(op, *args)
+
+    @remote_function(dispatch="all", collect="none")
+    def states(self) -> list[dict]:
+        return [{n: t.clone() for n, t in s.items()} for s in self.engine.states]
+
+
+@pytest.fixture
+def small_groups(ray_session):
+    twinkle_ray.shutdown()
+    twinkle_ray.initialize("ray", groups=[DeviceGroup("trainer", 1, "cpu"), DeviceGroup("sampler", 2, "cpu")])
+    yield DeviceMesh.from_sizes(dp_size=1, device_type="cpu"), DeviceMesh.from_sizes(dp_size=2, device_type="cpu")
+    twinkle_ray.shutdown()
+    actors, pgs = leftovers()
+    assert not actors and not pgs, (actors, pgs)
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_engine_receivers_through_the_fanout_hook(small_groups):
+    one, two = small_groups
+    trainer = SmallTrainer(one, remote_group="trainer")
+    sampler = EngineSampler(two, remote_group="sampler")
+    want = trainer.state()()
+    stats = sync_weights(trainer, sampler)
+    assert stats.receivers == 4  # 2 workers x 2 engine workers, each at its own channel rank
+    got = sampler.states()()
+    assert len(got) == 2 and all(len(w) == 2 for w in got)
+    assert all(_equal(s, want) for w in got for s in w)
+    assert sync_weights(trainer, sampler, only_changed=True).tensors == 4  # the first one sends all
+    trainer.bump("1.bias")()
+    assert sync_weights(trainer, sampler, only_changed=True).names == ["1.bias"]
+    want = trainer.state()()
+    assert all(_equal(s, want) for w in sampler.states()() for s in w)
+
+
+@remote_class()
+class ShardedSampler(WeightSyncMixin):
+    """An FSDP2 receiver: its parameters are DTensor shards."""
+
+    def __init__(self, device_mesh: DeviceMesh):
+        from torch.distributed.fsdp import fully_shard
+
+        self.model = _small_model(seed=6)
+        fully_shard(self.model, mesh=device_mesh.to_torch())
+        self.ptrs = {n: p.to_local().data_ptr() for n, p in self.model.named_parameters()}
+
+    def weight_sync_tensors(self):
+        raise AssertionError("a receiver must never call the source-side weight_sync_tensors()")
+
+    @remote_function(dispatch="all", collect="none")
+    def shards(self) -> dict:
+        """This rank's local shards, whether they are still the model's own storage, and the full weights."""
+        local = {n: p.to_local().detach().clone() for n, p in self.model.named_parameters()}
+        same = all(p.to_local().data_ptr() == self.ptrs[n] for n, p in self.model.named_parameters())
+        full = {n: p.full_tensor().detach() for n, p in self.model.named_parameters()}
+        return {"rank": twinkle_ray.get_rank(), "local": local, "same_storage": same, "full": full}
+
+
+@pytest.mark.slow
+def test_sharded_receiver_loads_into_the_model_not_copies(small_groups):
+    one, two = small_groups
+    trainer = SmallTrainer(one, remote_group="trainer")
+    sampler = ShardedSampler(two, remote_group="sampler")
+    want = trainer.state()()
+    assert not torch.equal(sampler.shards()()[0]["full"]["0.weight"], want["0.weight"])
+    stats = sync_weights(trainer, sampler)
+    assert stats.tensors == 4 and stats.receivers == 2
+    for got in sampler.shards()():
+        assert got["same_storage"], "the shards were replaced, not loaded into"
+        assert _equal(got["full"], want)
+        for name, full in want.items():  # each rank holds its own slice (torch.chunk on dim 0)
+            assert torch.equal(got["local"][name], torch.chunk(full, 2, dim=0)[got["rank"]]), (got["rank"], name)

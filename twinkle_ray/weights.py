@@ -1,19 +1,30 @@
 """Weight sync trainer -> sampler: a bucketed broadcast over a cross-gang process group.
 
 Every gang has its own default torch.distributed world, so the group that
-joins the trainer's rank 0 and every sampler worker is a separate one, built
-with torch's public API: a ``TCPStore`` hosted by the trainer's rank 0 and a
-``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (GPU) on it. It is set up
-once (on the first sync) and reused. Rank 0 of that group is the source;
-sampler worker ``i`` is rank ``1 + i``.
+joins the trainer's rank 0 and every receiver is a separate one, built with
+torch's public API (the transport, :mod:`twinkle_ray.weight_channel`: a
+``TCPStore`` hosted by the trainer's rank 0 and a ``ProcessGroupGloo`` (CPU)
+or ``ProcessGroupNCCL`` (GPU) on it). It is set up once (on the first sync)
+and reused. Rank 0 of that group is the source; the receivers follow, each
+at the rank the driver gave it once, at set-up.
 
 One sync: the source broadcasts a small JSON manifest (names, dtypes, shapes,
 bucket layout), then the tensors packed into flat buckets of one dtype
 (``bucket_mb``, 32 MB by default; a larger tensor gets a bucket of its own).
-Packing the next bucket overlaps sending the current one. Receivers unpack
-into their own tensors (``copy_``: bit-identical for the same dtype) or hand
-the tensors to a hook (vLLM's ``load_weights``). Every wait is bounded by the
-sync's timeout.
+Packing the next bucket overlaps sending the current one. Every wait is
+bounded by the sync's timeout.
+
+Receivers. A sampler worker reaches its receivers through one fan-out hook,
+:meth:`WeightSyncMixin.weight_sync_fanout`: by default the worker itself is
+the one receiver; a worker that owns an engine with processes of its own
+(vLLM with tensor parallelism) forwards to each of them (vLLM:
+``collective_rpc``), and each joins the group at its own rank. A receiver
+takes a sync with ``weight_sync_receive(buckets)``: the default resolves its
+targets once (:meth:`WeightSyncMixin.weight_sync_targets`: the model's own
+parameters and buffers, never gathered copies; a DTensor shard takes its
+slice of the full tensor) and copies each bucket in place
+(``weight_sync_load``). Receivers never call the source-side
+``weight_sync_tensors()``.
 
 Only part of the model can be sent: ``names=[...]`` (a subset) or
 ``only_changed=True``: tensors whose content fingerprint differs from the
@@ -34,7 +45,7 @@ calling :func:`sync_weights` (or a :class:`WeightSync`) from the driver::
     @remote_class()
     class Sampler(WeightSyncMixin):
         def __init__(self, device_mesh=None):
-            self.model = build_model()
+            self.model = build_model()          # weight_sync_targets() uses self.model
 
     trainer = Trainer(device_mesh=train_mesh, remote_group="trainer")
     sampler = Sampler(device_mesh=sample_mesh, remote_group="sampler")
@@ -50,375 +61,47 @@ public API but has not been run on GPUs in this repository's CI.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .core.context import get_rank
 from .core.functions import remote_function
 from .runtime.errors import GangStuckError, WorkerDiedError
+from .weight_channel import (
+    DEFAULT_BUCKET_MB,
+    DEFAULT_TIMEOUT_S,
+    ReceiverEnd,
+    SyncStats,
+    WeightChannel,
+    _is_dtensor,
+    _node_ip,
+    fingerprint,
+    load_into,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SyncStats", "WeightChannel", "WeightSync", "WeightSyncMixin", "fingerprint", "sync_weights"]
+__all__ = ["ReceiverEnd", "SyncStats", "WeightChannel", "WeightSync", "WeightSyncMixin", "fingerprint",
+           "load_into", "sync_weights"]
 
-DEFAULT_BUCKET_MB = 32
-DEFAULT_TIMEOUT_S = 300.0
 SYNC_GRACE_S = 3.0  # after one end of a sync failed, how long the others get to finish
 SETTLE_READ_S = 30.0  # reading the outcome of an end that has finished or was torn down
-_FP_CHUNK = 1 << 20
-_INT_VIEW = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
-
-
-@dataclass
-class SyncStats:
-    """What one sync moved (as seen by the process that reports it)."""
-
-    tensors: int = 0
-    bytes: int = 0
-    buckets: int = 0
-    seconds: float = 0.0  # the transfer: manifest + buckets
-    prepare_s: float = 0.0  # choosing tensors (fingerprints) before the transfer
-    names: list[str] = field(default_factory=list)
-    backend: str = ""
-    receivers: int = 0
-
-    @property
-    def gb_per_s(self) -> float:
-        """Payload rate (GB/s, 1e9 bytes) of one copy of the weights."""
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    def __str__(self) -> str:
-        return (f"{self.tensors} tensor(s), {self.bytes / 1e6:.1f} MB in {self.buckets} bucket(s), "
-                f"{self.seconds:.3f}s ({self.gb_per_s:.2f} GB/s to each of {self.receivers} receiver(s), "
-                f"{self.backend})")
-
-
-# ------------------------------------------------------------------------------ fingerprints
-_weights_cache: dict[str, Any] = {}
-
-
-def fingerprint(tensor: Any) -> tuple[int, int]:
-    """A content fingerprint of ``tensor``'s raw bits: (numel, randomised sum mod 2**64).
-
-    Computed on the tensor's device, in chunks (bounded extra memory). Equal
-    contents give equal fingerprints; different contents collide with
-    probability about 2**-64.
-
-    >>> import torch
-    >>> a = torch.ones(5)
-    >>> fingerprint(a) == fingerprint(a.clone()), fingerprint(a) == fingerprint(a + 1e-7)
-    (True, False)
-    """
-    import torch
-
-    x = tensor.detach().reshape(-1)
-    if x.numel() == 0:
-        return (0, 0)
-    if x.is_complex():
-        x = torch.view_as_real(x).reshape(-1)
-    if x.dtype == torch.bool:
-        x = x.to(torch.uint8)
-    bits = x.contiguous().view(getattr(torch, _INT_VIEW[x.element_size()]))
-    key = str(bits.device)
-    w = _weights_cache.get(key)
-    if w is None:
-        gen = torch.Generator().manual_seed(0x7A1E)
-        w = torch.randint(-(2**62), 2**62, (_FP_CHUNK,), generator=gen, dtype=torch.int64) | 1
-        w = _weights_cache[key] = w.to(bits.device)
-    # Odd random weights: any single changed element changes the sum; int64 wraps mod 2**64.
-    mixed = torch.zeros((), dtype=torch.int64, device=bits.device)
-    for start in range(0, bits.numel(), _FP_CHUNK):
-        chunk = bits[start:start + _FP_CHUNK].to(torch.int64)
-        mixed += (chunk * w[: chunk.numel()]).sum()
-    return (int(bits.numel()), int(mixed))
-
-
-# ------------------------------------------------------------------------------ the channel
-def _dtype(name: str):
-    import torch
-
-    dt = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"weight sync: unknown dtype {name!r} in the manifest")
-    return dt
-
-
-def _buckets(items: list[tuple[str, Any]], bucket_bytes: int) -> list[list[int]]:
-    """Indices of ``items`` grouped into same-dtype buckets of at most ``bucket_bytes``."""
-    by_dtype: dict[str, list[int]] = {}
-    for i, (_, t) in enumerate(items):
-        by_dtype.setdefault(str(t.dtype), []).append(i)
-    buckets: list[list[int]] = []
-    for idx in by_dtype.values():
-        current: list[int] = []
-        size = 0
-        for i in idx:
-            nbytes = items[i][1].numel() * items[i][1].element_size()
-            if current and size + nbytes > bucket_bytes:
-                buckets.append(current)
-                current, size = [], 0
-            current.append(i)
-            size += nbytes
-        if current:
-            buckets.append(current)
-    return buckets
-
-
-class WeightChannel:
-    """One process's end of a weight-sync process group (rank 0 sends, the rest receive).
-
-    Built by :class:`WeightSyncMixin`; usable directly in any process::
-
-        host = WeightChannel.host(world_size=3)                   # on the source
-        addr, port = host.address
-        src = host.join(backend="gloo")                          # concurrently with:
-        dst = WeightChannel.connect(addr, port, rank=1, world_size=3)  # on each receiver
-        src.send(model.state_dict().items()); dst.recv(target_dict)
-    """
-
-    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float, address: tuple[str, int]):
-        self.store = store
-        self.rank = rank
-        self.world_size = world_size
-        self.timeout = timedelta(seconds=timeout_s)
-        self.address = address
-        self.pg: Any = None
-        self.backend: str | None = None
-        self.device: Any = None
-        self.sent: dict[str, tuple[int, int]] = {}
-        self.tracking = False  # record fingerprints (from the first only_changed sync on)
-        self.syncs = 0
-
-    @classmethod
-    def host(cls, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S, host_ip: str | None = None) -> WeightChannel:
-        """Rank 0's end: start the TCPStore on a free port of this node."""
-        import torch.distributed as dist
-
-        ip = host_ip or _node_ip()
-        store = dist.TCPStore(ip, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                              wait_for_workers=False)
-        return cls(store, 0, world_size, timeout_s, (ip, int(store.port)))
-
-    @classmethod
-    def connect(cls, addr: str, port: int, rank: int, world_size: int,
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> WeightChannel:
-        """A receiver's end: connect to rank 0's TCPStore."""
-        import torch.distributed as dist
-
-        if not 0 < rank < world_size:
-            raise ValueError(f"weight sync: receiver rank {rank} is outside 1..{world_size - 1}")
-        store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
-        return cls(store, rank, world_size, timeout_s, (addr, port))
-
-    def join(self, backend: str = "gloo", prefix: str = "twinkle-weights") -> WeightChannel:
-        """Create the process group (a rendezvous: every rank calls it concurrently)."""
-        import torch
-        import torch.distributed as dist
-
-        store = dist.PrefixStore(prefix, self.store)
-        if backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            self.pg = dist.ProcessGroupNCCL(store, self.rank, self.world_size, opts)
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        elif backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
-            self.device = torch.device("cpu")
-        else:
-            raise ValueError(f"weight sync: backend must be 'gloo' or 'nccl', got {backend!r}")
-        self.backend = backend
-        # A first collective: NCCL connects lazily, and every rank learns the others are up.
-        self._bcast(torch.zeros(1, dtype=torch.int64, device=self.device)).wait(self.timeout)
-        return self
-
-    def _bcast(self, tensor: Any) -> Any:
-        return self.pg.broadcast(tensor, 0, self.timeout)
-
-    # -- source ---------------------------------------------------------------------------------
-    def send(
-        self,
-        named_tensors: Iterable[tuple[str, Any]],
-        *,
-        names: Sequence[str] | None = None,
-        only_changed: bool = False,
-        bucket_mb: float = DEFAULT_BUCKET_MB,
-    ) -> SyncStats:
-        """Broadcast tensors (rank 0). ``names``: only these; ``only_changed``: only the changed ones."""
-        import torch
-
-        t0 = time.perf_counter()
-        try:
-            items, prints = self._select(list(named_tensors), names, only_changed)
-        except Exception as e:
-            self._send_manifest({"error": f"{type(e).__name__}: {e}"})
-            raise
-        start = time.perf_counter()
-        buckets = _buckets(items, int(bucket_mb * 2**20))
-        manifest = {
-            "seq": self.syncs,
-            "tensors": [[n, str(t.dtype), list(t.shape)] for n, t in items],
-            "buckets": buckets,
-        }
-        self._send_manifest(manifest)
-        pending: list = []
-        total = 0
-        with torch.no_grad():
-            for bucket in buckets:
-                parts = [items[i][1].detach().reshape(-1) for i in bucket]
-                if len(parts) == 1 and parts[0].is_contiguous():
-                    flat = parts[0]
-                else:
-                    flat = torch.cat(parts)
-                if flat.device != self.device:
-                    flat = flat.to(self.device)
-                total += flat.numel() * flat.element_size()
-                work = self._bcast(flat)
-                pending.append((work, flat))
-                if len(pending) > 1:  # the previous bucket; this one is already in flight
-                    pending.pop(0)[0].wait(self.timeout)
-            for work, _ in pending:
-                work.wait(self.timeout)
-        self.sent.update(prints)
-        self.syncs += 1
-        return SyncStats(tensors=len(items), bytes=total, buckets=len(buckets),
-                         seconds=time.perf_counter() - start, prepare_s=start - t0,
-                         names=[n for n, _ in items], backend=self.backend or "",
-                         receivers=self.world_size - 1)
-
-    def _select(self, items, names, only_changed):
-        if names is not None:
-            have = {n for n, _ in items}
-            missing = [n for n in names if n not in have]
-            if missing:
-                raise KeyError(f"weight sync: unknown tensor name(s) {missing[:5]} (of {len(missing)})")
-            wanted = set(names)
-            items = [(n, t) for n, t in items if n in wanted]
-        # Fingerprints cost a pass over the weights: taken only once only_changed is in use.
-        self.tracking = self.tracking or only_changed
-        if not self.tracking:
-            return items, {}
-        prints = {n: fingerprint(t) for n, t in items}
-        if only_changed:
-            items = [(n, t) for n, t in items if self.sent.get(n) != prints[n]]
-        return items, prints
-
-    def _send_manifest(self, manifest: dict) -> None:
-        import torch
-
-        data = json.dumps(manifest).encode()
-        head = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        self._bcast(head).wait(self.timeout)
-        body = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
-        self._bcast(body).wait(self.timeout)
-
-    # -- receivers ------------------------------------------------------------------------------
-    def recv(self, load: Any) -> SyncStats:
-        """Receive one sync (ranks > 0). ``load``: a dict name -> tensor to copy into, or a
-        callable taking a list of (name, tensor) per bucket (e.g. vLLM's ``load_weights``)."""
-        import torch
-
-        start = time.perf_counter()
-        head = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._bcast(head).wait(self.timeout)
-        body = torch.empty(int(head.item()), dtype=torch.uint8, device=self.device)
-        self._bcast(body).wait(self.timeout)
-        manifest = json.loads(bytes(body.cpu().numpy()).decode())
-        if "error" in manifest:
-            raise RuntimeError(f"weight sync: the source failed: {manifest['error']}")
-        specs = manifest["tensors"]
-        problems: list[str] = []
-        failure: BaseException | None = None
-        total = 0
-
-        def post(bucket):
-            dt = _dtype(specs[bucket[0]][1])
-            numel = sum(_numel(specs[i][2]) for i in bucket)
-            buf = torch.empty(numel, dtype=dt, device=self.device)
-            return self._bcast(buf), buf
-
-        buckets = manifest["buckets"]
-        with torch.no_grad():
-            nxt = post(buckets[0]) if buckets else None
-            for k, bucket in enumerate(buckets):
-                work, buf = nxt
-                nxt = post(buckets[k + 1]) if k + 1 < len(buckets) else None
-                work.wait(self.timeout)
-                total += buf.numel() * buf.element_size()
-                out, offset = [], 0
-                for i in bucket:
-                    name, _, shape = specs[i]
-                    n = _numel(shape)
-                    out.append((name, buf[offset:offset + n].view(shape)))
-                    offset += n
-                try:  # keep receiving after a failed load: the source must not hang
-                    problems.extend(_apply(load, out))
-                except Exception as e:
-                    failure = failure or e
-        self.syncs += 1
-        if failure is not None:
-            raise failure
-        if problems:
-            raise ValueError("weight sync: received tensors did not fit: " + "; ".join(problems[:5])
-                             + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
-        return SyncStats(tensors=len(specs), bytes=total, buckets=len(buckets),
-                         seconds=time.perf_counter() - start, names=[s[0] for s in specs],
-                         backend=self.backend or "", receivers=self.world_size - 1)
-
-    def close(self) -> None:
-        """Leave the process group (best effort)."""
-        pg, self.pg = self.pg, None
-        if pg is not None:
-            try:
-                pg.shutdown()
-            except Exception:  # already broken: dropping it is enough
-                logger.debug("weight sync: process group shutdown failed", exc_info=True)
-        self.store = None
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
-def _apply(load: Any, out: list[tuple[str, Any]]) -> list[str]:
-    if callable(load) and not isinstance(load, dict):
-        load(out)
-        return []
-    problems = []
-    for name, value in out:
-        target = load.get(name)
-        if target is None:
-            problems.append(f"no tensor named {name!r} here")
-        elif tuple(target.shape) != tuple(value.shape):
-            problems.append(f"{name!r}: shape {tuple(value.shape)} sent, {tuple(target.shape)} here")
-        else:
-            target.copy_(value)
-    return problems
-
-
-def _node_ip() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:  # ray is a dependency; stay usable without it
-        pass
-    return "127.0.0.1"
 
 
 # ------------------------------------------------------------------------------ the mixin
-def _is_dtensor(tensor: Any) -> bool:
-    """A ``torch.distributed.tensor.DTensor`` (FSDP2 / tensor-parallel shard), without importing it."""
-    cls = type(tensor)
-    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+def _gang_rank() -> int:
+    """This worker's rank in its gang: twinkle's ``RANK``, before ``torch.distributed``'s.
+
+    They differ where an engine inside the worker runs a torch.distributed world of its own
+    (an in-process vLLM engine is rank 0 of 1 in every sampler worker).
+    """
+    import os
+
+    raw = os.environ.get("RANK", "").strip()
+    return int(raw) if raw.isdigit() else get_rank()
 
 
 def _gather_full(tensors: dict[str, Any]) -> dict[str, Any]:
@@ -453,18 +136,35 @@ def _module_tensors(module: Any) -> dict[str, Any]:
     return tensors
 
 
+
+def _module_targets(module: Any) -> dict[str, Any]:
+    """A module's own parameters and buffers by state-dict name (DTensor shards stay shards: no copy)."""
+    if type(module).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel"):
+        module = module.module
+    return dict(module.state_dict(keep_vars=True))
+
+
 class WeightSyncMixin:
     """Weight-sync endpoints for a remote class (trainer or sampler).
 
-    Override ``weight_sync_tensors()`` (default: ``self.model``'s state dict,
-    unwrapping DDP) and, on a sampler, ``weight_sync_load(items)`` (default:
-    ``copy_`` into ``weight_sync_tensors()``; vLLM: ``model.load_weights(items)``).
-    The ``weight_sync_*`` remote methods are called by :class:`WeightSync`.
+    Source side: ``weight_sync_tensors()`` (default: ``self.model``'s state
+    dict, unwrapping DDP) runs on *every* rank of the gang before rank 0
+    sends, so a sharded trainer may gather full tensors there with a
+    collective (FSDP full state dict, Megatron TP/PP gather) and return them
+    on rank 0 (other ranks may return ``{}``).
 
-    On the source, ``weight_sync_tensors()`` runs on *every* rank of the
-    gang before rank 0 sends, so a sharded trainer may gather full tensors
-    there with a collective (FSDP full state dict, Megatron TP/PP gather) and
-    return them on rank 0 (other ranks may return ``{}``).
+    Receiver side, from the outside in (override the outermost that fits):
+
+    - ``weight_sync_fanout(op, *args)``: reaches every receiver this worker
+      holds (default: the worker itself; a vLLM engine: ``collective_rpc``);
+    - ``weight_sync_receive(buckets)``: takes one sync (default: resolve the
+      targets once, then ``weight_sync_load`` each bucket);
+    - ``weight_sync_targets()``: where the tensors land (default:
+      ``self.model``'s own parameters and buffers; DTensor shards take their
+      slice);
+    - ``weight_sync_load(items)``: one bucket (default: copy into the targets).
+
+    The ``weight_sync_*`` remote methods are called by :class:`WeightSync`.
 
     >>> class Box(WeightSyncMixin):
     ...     def __init__(self, value):
@@ -478,15 +178,14 @@ class WeightSyncMixin:
     True
     """
 
-    # -- hooks ----------------------------------------------------------------------------------
+    # -- source hook ----------------------------------------------------------------------------
     def weight_sync_tensors(self) -> dict[str, Any]:
-        """name -> tensor: what a source sends and a receiver fills by default.
+        """name -> tensor: what a source sends (called on every rank of the source gang).
 
         ``self.model``'s state dict (DDP unwrapped). An FSDP2 (``fully_shard``)
         or DTensor-parallel model is gathered here: every rank calls
         ``full_tensor()`` once per tensor, rank 0 returns the full tensors and
-        the other ranks ``{}``. That suits a source; a sharded *receiver* must
-        override ``weight_sync_load`` (its targets are its own shards).
+        the other ranks ``{}``.
         """
         model = getattr(self, "model", None)
         if model is None or not hasattr(model, "state_dict"):
@@ -496,22 +195,81 @@ class WeightSyncMixin:
             )
         return _module_tensors(model)
 
+    # -- receiver hooks -------------------------------------------------------------------------
+    def weight_sync_fanout(self, op: str, *args: Any) -> list:
+        """Run receiver operation ``op`` (see :class:`ReceiverEnd`) on every receiver of this worker.
+
+        Returns one answer per receiver. Default: this worker is the one
+        receiver. A worker whose engine has processes of its own forwards
+        the call to each, and each builds its own :class:`ReceiverEnd`
+        (``index`` = its rank in the engine)::
+
+            def weight_sync_fanout(self, op, *args):
+                return self.llm.collective_rpc("twinkle_weight_op", args=(op, *args))
+        """
+        end = self.__dict__.get("_twinkle_receiver")
+        if end is None:
+            end = self.__dict__["_twinkle_receiver"] = ReceiverEnd(self.weight_sync_receive)
+        return [end.call(op, *args)]
+
+    def weight_sync_receive(self, buckets: Iterator[list[tuple[str, Any]]]) -> None:
+        """Take one sync: resolve the targets once, then ``weight_sync_load`` every bucket.
+
+        A bucket that fails to load does not stop the others; the first
+        failure is raised at the end.
+        """
+        self.__dict__["_twinkle_sync_targets"] = self.weight_sync_targets()
+        failure: BaseException | None = None
+        try:
+            for items in buckets:
+                try:
+                    self.weight_sync_load(items)
+                except Exception as e:  # keep receiving: the source must not hang
+                    failure = failure or e
+        finally:
+            self.__dict__.pop("_twinkle_sync_targets", None)
+        if failure is not None:
+            raise failure
+
+    def weight_sync_targets(self) -> dict[str, Any]:
+        """name -> tensor that received weights are copied into, resolved once per sync.
+
+        Default: ``self.model``'s own parameters and buffers (DDP unwrapped).
+        An FSDP2 / DTensor model's parameters stay shards: each takes its
+        local slice of the full tensor (:func:`load_into`), so the model
+        itself changes, never a gathered copy.
+        """
+        model = getattr(self, "model", None)
+        if model is None or not hasattr(model, "state_dict"):
+            raise NotImplementedError(
+                f"{type(self).__name__}: set self.model to a torch module or override "
+                f"weight_sync_targets() (or weight_sync_receive) to say where received weights go"
+            )
+        return _module_targets(model)
+
     def weight_sync_load(self, items: list[tuple[str, Any]]) -> None:
-        """Take one bucket of received (name, tensor); default: copy into weight_sync_tensors()."""
-        problems = _apply(self.weight_sync_tensors(), items)
+        """Take one bucket of received (name, tensor); default: copy into this sync's targets."""
+        targets = self.__dict__.get("_twinkle_sync_targets")
+        problems = load_into(self.weight_sync_targets() if targets is None else targets, items)
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ValueError("weight sync: received tensors did not fit: " + "; ".join(problems[:5])
+                             + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
 
     def _weight_channels(self) -> dict[str, WeightChannel]:
         return self.__dict__.setdefault("_twinkle_weight_channels", {})
 
     # -- remote endpoints -----------------------------------------------------------------------
     @remote_function(dispatch="all", collect="flatten")
-    def weight_sync_probe(self) -> list[dict]:
-        """This worker's facts for choosing the backend: [{'cuda': bool, 'ip': str}]."""
-        import torch
+    def weight_sync_probe(self, role: str = "target") -> list[dict]:
+        """Facts for choosing the backend and the ranks: one dict per receiver of this worker
+        (a source worker: itself), each with ``cuda``, ``ip``, ``index`` and the gang ``rank``."""
+        if role == "source":
+            import torch
 
-        return [{"cuda": bool(torch.cuda.is_available()), "ip": _node_ip(), "rank": get_rank()}]
+            facts = [{"cuda": bool(torch.cuda.is_available()), "ip": _node_ip(), "index": 0}]
+        else:
+            facts = list(self.weight_sync_fanout("probe"))
+        return [{**f, "rank": _gang_rank()} for f in facts]
 
     @remote_function(dispatch="all", execute="first")
     def weight_sync_host(self, channel: str, world_size: int, timeout_s: float) -> tuple[str, int]:
@@ -525,64 +283,65 @@ class WeightSyncMixin:
 
     @remote_function(dispatch="all", collect="flatten")
     def weight_sync_join(self, channel: str, addr: str, port: int, role: str, world_size: int,
-                         backend: str, timeout_s: float, rank_offset: int = 1) -> list[int]:
-        """Join the channel's process group: the source's rank 0, or every receiver worker."""
-        chans = self._weight_channels()
+                         backend: str, timeout_s: float, ranks: dict | None = None) -> list[int]:
+        """Join the channel's process group: the source's rank 0, or every receiver of this worker.
+
+        ``ranks`` (receivers): gang rank -> [[receiver index, channel rank], ...], decided once by
+        the driver at set-up.
+        """
         if role == "source":
-            if get_rank() != 0:
+            if _gang_rank() != 0:
                 return []
-            ch = chans.get(channel)
+            ch = self._weight_channels().get(channel)
             if ch is None:
                 raise RuntimeError(f"weight sync channel {channel!r}: weight_sync_host was not called here")
-        else:
-            old = chans.pop(channel, None)
-            if old is not None:
-                old.close()
-            ch = chans[channel] = WeightChannel.connect(addr, port, rank_offset + get_rank(), world_size,
-                                                        timeout_s)
-        ch.join(backend, prefix=f"twinkle-weights/{channel}")
-        return [ch.rank]
+            ch.join(backend, prefix=f"twinkle-weights/{channel}")
+            return [ch.rank]
+        mine = (ranks or {}).get(_gang_rank())
+        if not mine:
+            raise RuntimeError(f"weight sync channel {channel!r}: the driver gave gang rank {_gang_rank()} "
+                               f"no channel rank (ranks {ranks})")
+        return list(self.weight_sync_fanout("join", channel, addr, port, mine, world_size, backend, timeout_s))
 
     @remote_function(dispatch="all", collect="flatten")
     def weight_sync_ready(self, channel: str, role: str) -> list[bool]:
-        """Whether this worker holds a joined channel (source: rank 0 only answers)."""
-        if role == "source" and get_rank() != 0:
-            return []
-        ch = self._weight_channels().get(channel)
-        return [ch is not None and ch.pg is not None]
+        """Whether this worker's ends hold a joined channel (source: rank 0 only answers)."""
+        if role == "source":
+            if _gang_rank() != 0:
+                return []
+            ch = self._weight_channels().get(channel)
+            return [ch is not None and ch.pg is not None]
+        return list(self.weight_sync_fanout("ready", channel))
 
     @remote_function(dispatch="all", collect="flatten")
     def weight_sync_send(self, channel: str, names: list[str] | None = None, only_changed: bool = False,
                          bucket_mb: float = DEFAULT_BUCKET_MB) -> list[SyncStats]:
         """Source: every rank builds its tensors (may gather), rank 0 broadcasts them."""
         tensors = self.weight_sync_tensors()
-        if get_rank() != 0:
+        if _gang_rank() != 0:
             return []
-        ch = self._channel(channel)
-        return [ch.send(tensors.items(), names=names, only_changed=only_changed, bucket_mb=bucket_mb)]
-
-    @remote_function(dispatch="all", collect="flatten")
-    def weight_sync_recv(self, channel: str) -> list[SyncStats]:
-        """Receiver: take one sync into ``weight_sync_load``."""
-        stats = self._channel(channel).recv(self.weight_sync_load)
-        stats.names = []  # the source reports names; keep the replies small
-        return [stats]
-
-    @remote_function(dispatch="all")
-    def weight_sync_close(self, channel: str) -> None:
-        """Leave the channel."""
-        ch = self._weight_channels().pop(channel, None)
-        if ch is not None:
-            ch.close()
-
-    def _channel(self, channel: str) -> WeightChannel:
         ch = self._weight_channels().get(channel)
         if ch is None or ch.pg is None:
             raise RuntimeError(
                 f"weight sync channel {channel!r} is not set up in this worker (was the gang "
                 f"restarted?); WeightSync sets it up again on the next sync"
             )
-        return ch
+        return [ch.send(tensors.items(), names=names, only_changed=only_changed, bucket_mb=bucket_mb)]
+
+    @remote_function(dispatch="all", collect="flatten")
+    def weight_sync_recv(self, channel: str) -> list[SyncStats]:
+        """Receivers: every end of this worker takes one sync; their figures."""
+        return [SyncStats(**got) for got in self.weight_sync_fanout("recv", channel)]
+
+    @remote_function(dispatch="all")
+    def weight_sync_close(self, channel: str, role: str | None = None) -> None:
+        """Leave the channel (``role`` None: whichever end this worker holds)."""
+        if role in (None, "source"):
+            ch = self._weight_channels().pop(channel, None)
+            if ch is not None:
+                ch.close()
+        if role == "target" or (role is None and "_twinkle_receiver" in self.__dict__):
+            self.weight_sync_fanout("close", channel)
 
 
 # ------------------------------------------------------------------------------ the driver side
@@ -619,25 +378,43 @@ class WeightSync:
         from .runtime.session import get
 
         wait = self.timeout_s + 30
-        probes = [get(g.weight_sync_probe(), wait) for g in [self.source, *self.targets]]
-        sizes = [len(p) for p in probes[1:]]
-        self.world_size = 1 + sum(sizes)
+        probes = [get(self.source.weight_sync_probe("source"), wait)]
+        probes += [get(g.weight_sync_probe("target"), wait) for g in self.targets]
+        plan = self._rank_plan(probes[1:])  # every receiver's channel rank, decided once here
+        self.world_size = 1 + sum(len(pairs) for gang in plan for pairs in gang.values())
         backend = self.backend or ("nccl" if all(x["cuda"] for p in probes for x in p) else "gloo")
         addr, port = get(self.source.weight_sync_host(self.channel, self.world_size, self.timeout_s), wait)
         joins = [self.source.weight_sync_join(self.channel, addr, port, "source", self.world_size,
                                               backend, self.timeout_s)]
-        offset = 1
-        for g, n in zip(self.targets, sizes, strict=True):
+        for g, ranks in zip(self.targets, plan, strict=True):
             joins.append(g.weight_sync_join(self.channel, addr, port, "target", self.world_size,
-                                            backend, self.timeout_s, offset))
-            offset += n
-        ranks = [r for j in joins for r in get(j, wait)]
+                                            backend, self.timeout_s, ranks))
+        # Receivers first: one that fails (a bad rank plan, an unreachable store) fails fast, while
+        # the source waits inside the rendezvous until its timeout.
+        ranks = [r for j in [*joins[1:], joins[0]] for r in get(j, wait)]
         if sorted(ranks) != list(range(self.world_size)):
             raise RuntimeError(f"weight sync: joined ranks {sorted(ranks)}, expected 0..{self.world_size - 1}")
         self.backend_used = backend
         self._ok = True
         logger.info("weight sync %s: %s group of %d (source + %d receiver(s)) at %s:%d",
                     self.channel, backend, self.world_size, self.world_size - 1, addr, port)
+
+    @staticmethod
+    def _rank_plan(probes: list[list[dict]]) -> list[dict[int, list[list[int]]]]:
+        """Channel ranks for every receiver, from the targets' probes: per target gang,
+        gang rank -> [[receiver index, channel rank], ...]; ranks 1.. in gang, worker, index order.
+
+        >>> WeightSync._rank_plan([[{"rank": 1, "index": 0}, {"rank": 0, "index": 1}, {"rank": 0, "index": 0}]])
+        [{0: [[0, 1], [1, 2]], 1: [[0, 3]]}]
+        """
+        plan, nxt = [], 1
+        for facts in probes:
+            gang: dict[int, list[list[int]]] = {}
+            for f in sorted(facts, key=lambda f: (f["rank"], f["index"])):
+                gang.setdefault(f["rank"], []).append([f["index"], nxt])
+                nxt += 1
+            plan.append(gang)
+        return plan
 
     def _ready(self) -> bool:
         from .runtime.session import get
@@ -735,9 +512,9 @@ class WeightSync:
             return
         from .runtime.session import get
 
-        for g in [self.source, *self.targets]:
+        for g, role in [(self.source, "source"), *[(t, "target") for t in self.targets]]:
             try:
-                get(g.weight_sync_close(self.channel), 30)
+                get(g.weight_sync_close(self.channel, role), 30)
             except Exception:  # a dead gang has nothing to close
                 logger.debug("weight sync close failed", exc_info=True)
         self._ok = False
@@ -760,7 +537,7 @@ def _local_sync(source: Any, targets: list, names: Sequence[str] | None) -> Sync
         items = [(n, t) for n, t in items if n in wanted]
     with torch.no_grad():
         for t in targets:
-            t.weight_sync_load([(n, v.detach()) for n, v in items])
+            t.weight_sync_receive(iter([[(n, v.detach()) for n, v in items]]))
     nbytes = sum(v.numel() * v.element_size() for _, v in items)
     return SyncStats(tensors=len(items), bytes=nbytes, buckets=0, seconds=time.perf_counter() - start,
                      names=[n for n, _ in items], backend="local", receivers=len(targets))

@@ -5,9 +5,11 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+INSTALL = "bash scripts/setup.sh rlhf"
+
 
 class MissingDependency(ImportError):
-    """A GPU framework this adapter needs is not installed here."""
+    """A framework this adapter needs (vLLM, Megatron-Core) is not installed here."""
 
 
 def require(module: str, install: str, what: str) -> ModuleType:
@@ -21,6 +23,6 @@ def require(module: str, install: str, what: str) -> ModuleType:
     except ModuleNotFoundError as e:
         raise MissingDependency(
             f"{what} needs `{module}`, which is not installed in this environment "
-            f"(install: {install}; it also needs CUDA GPUs). Nothing in this adapter runs "
-            f"without it: it is not a stub. For a CPU run of the same flow see examples/rlhf_grpo.py."
+            f"(install: {install}). Nothing in this adapter runs without it: it is not a stub. "
+            f"For a run of the same flow without it see examples/rlhf_fsdp_hf.py."
         ) from e

