@@ -92,18 +92,6 @@ SETTLE_READ_S = 30.0  # reading the outcome of an end that has finished or was t
 
 
 # ------------------------------------------------------------------------------ the mixin
-def _gang_rank() -> int:
-    """This worker's rank in its gang: twinkle's ``RANK``, before ``torch.distributed``'s.
-
-    They differ where an engine inside the worker runs a torch.distributed world of its own
-    (an in-process vLLM engine is rank 0 of 1 in every sampler worker).
-    """
-    import os
-
-    raw = os.environ.get("RANK", "").strip()
-    return int(raw) if raw.isdigit() else get_rank()
-
-
 def _gather_full(tensors: dict[str, Any]) -> dict[str, Any]:
     """Full tensors from DTensor shards: every rank gathers, the gang's rank 0 keeps them.
 
@@ -269,7 +257,7 @@ class WeightSyncMixin:
             facts = [{"cuda": bool(torch.cuda.is_available()), "ip": _node_ip(), "index": 0}]
         else:
             facts = list(self.weight_sync_fanout("probe"))
-        return [{**f, "rank": _gang_rank()} for f in facts]
+        return [{**f, "rank": get_rank()} for f in facts]
 
     @remote_function(dispatch="all", execute="first")
     def weight_sync_host(self, channel: str, world_size: int, timeout_s: float) -> tuple[str, int]:
@@ -290,16 +278,16 @@ class WeightSyncMixin:
         the driver at set-up.
         """
         if role == "source":
-            if _gang_rank() != 0:
+            if get_rank() != 0:
                 return []
             ch = self._weight_channels().get(channel)
             if ch is None:
                 raise RuntimeError(f"weight sync channel {channel!r}: weight_sync_host was not called here")
             ch.join(backend, prefix=f"twinkle-weights/{channel}")
             return [ch.rank]
-        mine = (ranks or {}).get(_gang_rank())
+        mine = (ranks or {}).get(get_rank())
         if not mine:
-            raise RuntimeError(f"weight sync channel {channel!r}: the driver gave gang rank {_gang_rank()} "
+            raise RuntimeError(f"weight sync channel {channel!r}: the driver gave gang rank {get_rank()} "
                                f"no channel rank (ranks {ranks})")
         return list(self.weight_sync_fanout("join", channel, addr, port, mine, world_size, backend, timeout_s))
 
@@ -307,7 +295,7 @@ class WeightSyncMixin:
     def weight_sync_ready(self, channel: str, role: str) -> list[bool]:
         """Whether this worker's ends hold a joined channel (source: rank 0 only answers)."""
         if role == "source":
-            if _gang_rank() != 0:
+            if get_rank() != 0:
                 return []
             ch = self._weight_channels().get(channel)
             return [ch is not None and ch.pg is not None]
@@ -318,7 +306,7 @@ class WeightSyncMixin:
                          bucket_mb: float = DEFAULT_BUCKET_MB) -> list[SyncStats]:
         """Source: every rank builds its tensors (may gather), rank 0 broadcasts them."""
         tensors = self.weight_sync_tensors()
-        if _gang_rank() != 0:
+        if get_rank() != 0:
             return []
         ch = self._weight_channels().get(channel)
         if ch is None or ch.pg is None:

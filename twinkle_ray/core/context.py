@@ -21,8 +21,10 @@ __all__ = ["get_rank", "get_world_size"]
 def get_rank() -> int:
     """Rank of this process in its gang (``Platform.get_rank()``).
 
-    Order of precedence: ``torch.distributed.get_rank()`` when torch.distributed
-    is initialised, else the ``RANK`` environment variable, else ``0``.
+    Order of precedence: the gang's ``RANK`` inside a gang worker (an engine in
+    the worker may run its own torch.distributed world), else
+    ``torch.distributed.get_rank()`` when it is initialised, else the ``RANK``
+    environment variable, else ``0``.
 
     Example::
 

@@ -66,6 +66,11 @@ def _int_from_env(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
+def _in_gang_worker() -> bool:
+    """Whether this process is a twinkle_ray gang worker (its runtime set the gang's env)."""
+    return bool(os.environ.get("TWINKLE_WORKER")) and "RANK" in os.environ
+
+
 class Platform:
     """Rank and device questions about the current process (all methods are class-level).
 
@@ -81,8 +86,11 @@ class Platform:
     def get_rank() -> int:
         """Global rank of this process in its gang.
 
-        ``torch.distributed.get_rank()`` when torch.distributed is initialised,
-        else the ``RANK`` environment variable, else ``0``.
+        Inside a twinkle_ray gang worker, the gang's ``RANK`` (set by the runtime):
+        an engine inside the worker may run a torch.distributed world of its own
+        (an in-process vLLM engine is rank 0 of 1 in every sampler worker).
+        Elsewhere ``torch.distributed.get_rank()`` when it is initialised, else
+        the ``RANK`` environment variable, else ``0``.
 
         Example::
 
@@ -94,6 +102,8 @@ class Platform:
             >>> Platform.get_rank()  # a driver outside any gang
             0
         """
+        if _in_gang_worker():
+            return _int_from_env("RANK", 0)
         dist = _initialised_dist()
         if dist is not None:
             return int(dist.get_rank())
@@ -103,8 +113,12 @@ class Platform:
     def get_world_size() -> int:
         """Number of processes in this process's gang.
 
-        ``torch.distributed.get_world_size()`` when initialised, else ``WORLD_SIZE``, else ``1``.
+        The gang's ``WORLD_SIZE`` inside a gang worker (see :meth:`get_rank`);
+        elsewhere ``torch.distributed.get_world_size()`` when initialised, else
+        ``WORLD_SIZE``, else ``1``.
         """
+        if _in_gang_worker():
+            return _int_from_env("WORLD_SIZE", 1)
         dist = _initialised_dist()
         if dist is not None:
             return int(dist.get_world_size())
