@@ -37,11 +37,21 @@ import ray
 from ..core.dispatch import worker_data_ranks
 from ..core.group import DeviceGroup
 from ..core.routing import peer_workers
-from .errors import GangStuckError, WorkerDiedError, describe_actor_death
+from .errors import (
+    NODE_LOST,
+    OUTAGE,
+    GangRebuildError,
+    GangStuckError,
+    PlacementError,
+    WorkerDiedError,
+    classify_death,
+    death_cause,
+)
 from .lazy import END_OF_ITERATION, CallOutput, Collected, GangRef, LazyResult, Pieces, Window
 from .metrics import GangMetrics, metrics_enabled
 from .placement import BundleSlot
 from .proxy import GangProxy
+from .restarts import RestartMetrics, RestartPolicy
 from .worker import WorkerInfo, make_worker
 
 logger = logging.getLogger(__name__)
@@ -52,6 +62,12 @@ STOP_GRACE_S = 2.0
 RECENT_PLANS = 8
 PROGRESS_QUERY_S = 5.0  # how long the stuck check waits for a worker to say what it is running
 TURN_WAIT_S = 60.0  # how long a call waits for its caller's previous call to arrive
+# A worker Ray calls unavailable (ActorUnavailableError) is watched again every OUTAGE_POLL_S
+# until Ray says it died, its node is reported dead (a lost node), it answers again (an outage
+# that ended) or OUTAGE_LIMIT_S pass (then it counts as dead: 'unreachable').
+OUTAGE_POLL_S = 0.5
+OUTAGE_LIMIT_S = 30.0
+PLACEMENT_POLL_S = 0.5
 
 
 @dataclass
@@ -72,6 +88,8 @@ class GangSpec:
     seed: int | None = 42
     namespace: str | None = None
     max_restarts: int = 0
+    restart_window_s: float | None = None  # max_restarts within this many seconds (None: ever)
+    placement_timeout_s: float = 60.0  # a rebuild waits this long for its bundles to be placed
     stuck_grace_s: float | None = 3.0  # None: never presume ranks stuck after a failure
     env: dict[str, str] = field(default_factory=dict)
     # metrics and 'group/Class.method' task names; TWINKLE_METRICS=0 where the gang is created: off
@@ -111,6 +129,16 @@ class Dispatcher:
         self.metrics = GangMetrics.create(spec.label, spec.metrics)
         # (method, with length record) -> (the workers list, each worker's bound task method)
         self._submit: dict[tuple[str, bool], tuple[list, list]] = {}
+        self.policy = RestartPolicy(spec.max_restarts, spec.restart_window_s)
+        self.restart_metrics = RestartMetrics.create(spec.label, spec.metrics)
+        # actor id (hex) -> (rank, node id, node ip) of this gang's workers, all generations:
+        # the one table deaths are classified by (see errors.classify_death)
+        self.table: dict[str, tuple[int, str | None, str | None]] = {}
+        self.where: list[tuple[int, str | None, str | None]] = []  # current workers' rows
+        self.rebuild_error: str | None = None  # why the last automatic rebuild failed
+        # dispatchers of gangs whose outputs this gang took as inputs: a death of one of their
+        # workers can fail this gang's calls, and they know which of theirs it was
+        self._producers: dict[tuple[str, str], Any] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> dict:
@@ -172,6 +200,9 @@ class Dispatcher:
                 for w in self.workers
             ]
             started = await _all_or_first_error(starts)
+            ids = await asyncio.gather(*[w.identity.remote() for w in self.workers])
+            self.where = [(rank, node_id, node_ip) for rank, (_, node_id, node_ip) in enumerate(ids)]
+            self.table.update({actor_id: row for (actor_id, _, _), row in zip(ids, self.where, strict=True)})
             if self.saved is not None:  # a rebuild: every rank gets its last saved state back
                 await _all_or_first_error(
                     [w.load_state.remote(st) for w, st in zip(self.workers, self.saved, strict=True)]
@@ -193,8 +224,14 @@ class Dispatcher:
     async def restart(self) -> dict:
         """Tear the gang down (if anything is left) and build a fresh one."""
         if self._restart_task is not None and not self._restart_task.done():
-            await self._restart_task
+            await asyncio.shield(self._restart_task)
+            if self.dead is not None:
+                raise self.dead
             return self.describe()
+        if self.restart_metrics is not None:
+            self.restart_metrics.restarted("manual")
+        logger.warning("gang %s: restart() asked for; rebuilding it", self.spec.label)
+        self.rebuild_error = None
         return await self._kill_and_start()
 
     async def stop(self) -> None:
@@ -220,36 +257,153 @@ class Dispatcher:
 
     # -- health --------------------------------------------------------------------------------
     async def _watch(self, gen: int, workers: list) -> None:
-        async def one(rank, ref):
-            try:
-                await ref
-            except Exception as e:  # the actor died: that is the only way watch() ends
-                return rank, e
-            return rank, None
+        async def one(rank, w):
+            loop = asyncio.get_running_loop()
+            since = None
+            while True:
+                try:
+                    await w.watch.remote()
+                except Exception as e:  # the actor died or is unreachable: watch() never returns
+                    d = classify_death(e, self.table)
+                    if d is None or d.kind != OUTAGE:
+                        return rank, e
+                    # Unavailable is not dead: look again until Ray decides, or the node is gone.
+                    if since is None:
+                        since = loop.time()
+                        logger.warning("gang %s: rank %d is unreachable (%s); watching it",
+                                       self.spec.label, rank, type(e).__name__)
+                    node = self._node_of(rank)
+                    if node and node not in await asyncio.to_thread(_alive_node_ids):
+                        return rank, e
+                    if loop.time() - since > OUTAGE_LIMIT_S:
+                        return rank, e
+                    await asyncio.sleep(OUTAGE_POLL_S)
+                    if gen != self.generation or self.stopped:
+                        return rank, None
+                    continue
+                return rank, None
 
-        tasks = [asyncio.ensure_future(one(r, w.watch.remote())) for r, w in enumerate(workers)]
+        tasks = [asyncio.ensure_future(one(r, w)) for r, w in enumerate(workers)]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             for t in tasks:
                 t.cancel()
             raise
+        for t in tasks:
+            t.cancel()
         if gen != self.generation or self.stopped:
             return
         rank, exc = next(iter(done)).result()
-        node, cause = describe_actor_death(str(exc)) if exc else (None, "watch ended")
-        node = node or self.spec.slots[rank].node_ip
-        await self._fail(WorkerDiedError(self.spec.group.name, self.spec.cls_name, rank, node, cause))
+        error = await self._death_error(rank, exc)
+        if gen != self.generation or self.stopped:
+            return
+        await self._fail(error)
+
+    def _node_of(self, rank: int) -> str | None:
+        return self.where[rank][1] if rank < len(self.where) else None
+
+    async def _death_error(self, rank: int, exc: BaseException | None) -> WorkerDiedError:
+        """The WorkerDiedError for rank ``rank``'s failed watch, classified from Ray's structured
+        fields and this dispatcher's table (a lost node names every rank that ran on it)."""
+        g, cls = self.spec.group.name, self.spec.cls_name
+        if exc is None:
+            slot = self.spec.slots[rank]
+            return WorkerDiedError(g, cls, rank, slot.node_ip, "its watch ended", slot.node_id)
+        alive = await asyncio.to_thread(_alive_node_ids)
+        d = classify_death(exc, self.table, alive)
+        if d is None:  # not an actor error about a worker we know: say what Ray said
+            slot = self.spec.slots[rank]
+            return WorkerDiedError(g, cls, rank, slot.node_ip, death_cause(exc), slot.node_id)
+        kind, cause = d.kind, d.cause
+        if kind == OUTAGE:
+            if d.node_id is not None and d.node_id not in alive:
+                kind = NODE_LOST
+                cause = f"its node {d.node_ip} ({d.node_id[:8]}) left the cluster"
+            else:
+                kind = "unreachable"
+                cause = f"unreachable for more than {OUTAGE_LIMIT_S:g}s (ActorUnavailableError)"
+        if kind in (NODE_LOST, "preempted") and d.node_id is not None:
+            there = sorted(r for r, n, _ in self.where if n == d.node_id)
+            cause += f"; rank(s) {there} of the gang ran there"
+        return WorkerDiedError(g, cls, d.rank, d.node_ip, cause, node_id=d.node_id, kind=kind)
 
     async def _fail(self, error: WorkerDiedError) -> None:
         """The gang is broken: keep ``error`` for callers, tear it down whole, rebuild if allowed."""
         self.dead = self.last_death = error
         logger.warning("%s", error)
-        if self.restarts < self.spec.max_restarts and not self.stopped:
-            self.restarts += 1
-            self._restart_task = asyncio.ensure_future(self._kill_and_start())
-        else:
+        if self.stopped:
             await self._kill_workers()
+            return
+        if self.policy.max_restarts > 0 and self.policy.allow(asyncio.get_running_loop().time()):
+            self.restarts += 1
+            if self.restart_metrics is not None:
+                self.restart_metrics.restarted(error.kind)
+            logger.warning("gang %s: automatic rebuild %d (%s)", self.spec.label, self.restarts,
+                           self.policy.describe())
+            self._restart_task = asyncio.ensure_future(self._rebuild(error))
+            return
+        if self.policy.max_restarts > 0:
+            if self.restart_metrics is not None:
+                self.restart_metrics.refused_one()
+            self.rebuild_error = (f"not rebuilt: its restart budget is spent ({self.restarts} "
+                                  f"automatic rebuild(s); {self.policy.describe()})")
+            self.dead = GangRebuildError(error, self.rebuild_error)
+            logger.error("%s", self.dead)
+        await self._kill_workers()
+
+    async def _rebuild(self, error: WorkerDiedError) -> None:
+        """An automatic rebuild after ``error``; if it fails, calls get why (GangRebuildError)."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            await self._kill_and_start()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if self.restart_metrics is not None:
+                self.restart_metrics.failed()
+            self.rebuild_error = _cause_text(e) if not isinstance(e, PlacementError) else str(e)
+            if not self.stopped:
+                self.dead = GangRebuildError(error, self.rebuild_error)
+                logger.error("%s", self.dead)
+            return
+        logger.warning("gang %s rebuilt in %.1fs after: %s", self.spec.label, loop.time() - t0, error)
+
+    async def _placement_ready(self) -> None:
+        """Wait until every bundle of the gang is placed on a live node (after a node loss Ray
+        re-places the bundles that were on it once some node has room). After
+        ``placement_timeout_s`` the placement group is removed (nothing stays reserved) and
+        PlacementError names the bundles and resources missing."""
+        spec, g = self.spec, self.spec.group
+        index = sorted({s.bundle_index for s in spec.slots})
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + spec.placement_timeout_s
+        while True:
+            state, missing = await asyncio.to_thread(_placement_state, spec.pg, index)
+            if state == "REMOVED":
+                raise PlacementError(f"gang {spec.label}: the placement group of group '{g.name}' "
+                                     f"was removed; create the gang again")
+            if state == "CREATED" and not missing:
+                return
+            if loop.time() >= deadline:
+                need: dict[str, float] = {}
+                for b in missing:
+                    for k, v in spec.pg.bundle_specs[b].items():
+                        need[k] = need.get(k, 0.0) + v
+                have = await asyncio.to_thread(ray.available_resources)
+                fmt = ", ".join(f"{k}: {v:g}" for k, v in sorted(need.items()))
+                avail = ", ".join(f"{k}: {have.get(k, 0.0):g}" for k in sorted(need))
+                from .placement import remove
+
+                await asyncio.to_thread(remove, spec.pg)
+                raise PlacementError(
+                    f"gang {spec.label} cannot be rebuilt: bundle(s) {missing} of group '{g.name}' "
+                    f"found no node within placement_timeout_s={spec.placement_timeout_s:g}s "
+                    f"(their node left the cluster): missing {{{fmt}}}, available {{{avail}}}. "
+                    f"The group's placement group was removed, so nothing stays reserved; add "
+                    f"capacity and create the gang again")
+            await asyncio.sleep(PLACEMENT_POLL_S)
 
     async def report_failure(self, gen: int, seq: int, rank: int, method: str, cause: str) -> None:
         """A worker's call raised. Unless a check is already running, look again after the grace
@@ -288,7 +442,13 @@ class Dispatcher:
 
     async def _kill_and_start(self) -> dict:
         await self._kill_workers()
+        await self._placement_ready()
         return await self.start()
+
+    def set_restart_policy(self, max_restarts: int, window_s: float | None = None) -> str:
+        """Replace the gang's restart policy (a Serve replica sets its own limits here)."""
+        self.policy = RestartPolicy(max_restarts, window_s)
+        return self.policy.describe()
 
     async def _running_workers(self) -> list:
         """The workers once the gang can take a call: after a pending stuck check or rebuild;
@@ -322,6 +482,24 @@ class Dispatcher:
             await asyncio.sleep(0.02)
         return self.last_death
 
+    async def death_of(self, actor_id: str | None, wait_s: float = 2.0,
+                       ask_producers: bool = True) -> WorkerDiedError | None:
+        """The death that explains a failed ref about actor ``actor_id`` (Ray's
+        ``RayActorError.actor_id``): this gang's death record if the actor is one of its
+        workers (or unknown), else the record of the producer gang whose worker it was (a gang
+        whose output this one took as an input). None: no death known."""
+        if actor_id is None or actor_id in self.table:
+            return await self.death(wait_s)
+        if ask_producers:
+            for handle in list(self._producers.values()):
+                try:
+                    err = await handle.death_of.remote(actor_id, wait_s, False)
+                except Exception:  # that producer's dispatcher is gone too
+                    continue
+                if err is not None:
+                    return err
+        return None
+
     async def check_health(self) -> None:
         """Raise WorkerDiedError if the gang is dead (Serve's health check calls this)."""
         if self.dead is not None:
@@ -345,6 +523,9 @@ class Dispatcher:
             "generation": self.generation,
             "restarts": self.restarts,
             "dead": str(self.dead) if self.dead else None,
+            "rebuilding": self._restart_task is not None and not self._restart_task.done(),
+            "rebuild_error": self.rebuild_error,
+            "restart_policy": self.policy.describe(),
             "saved_state": self.saved is not None,
             "ranks": [
                 {
@@ -507,6 +688,8 @@ class Dispatcher:
         n = len(self.workers)
         mode = lazy.collect
         producer = lazy.gang if lazy.gang is not None else self._own_gang()  # see _strip_own_gang
+        if lazy.gang is not None and lazy.gang.dispatcher is not None:
+            self._producers[(lazy.gang.group, lazy.gang.cls_name)] = lazy.gang.dispatcher
         if mode not in ("flatten", "none", "first"):
             whole = Collected(list(out.refs), mode, list(out.workers), producer.mesh,
                               producer.gpus_per_worker, producer, lazy.method)
@@ -618,10 +801,23 @@ def _cause_text(e: BaseException) -> str:
     cause = getattr(e, "cause", None)
     if cause is not None:
         return f"{type(cause).__name__}: {cause}"
+    if isinstance(e, ray.exceptions.RayActorError):
+        return death_cause(e)
     text = str(e)
-    if "dead because" in text or "died" in text:
-        return describe_actor_death(text)[1]
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _alive_node_ids() -> set[str]:
+    """Ids of the nodes Ray reports alive (a GCS query: run it in a thread)."""
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def _placement_state(pg, index: list[int]) -> tuple[str, list[int]]:
+    """(the placement group's state, the bundles of ``index`` not placed on a live node)."""
+    table = ray.util.placement_group_table(pg)
+    alive = _alive_node_ids()
+    where = table.get("bundles_to_node_id") or {}
+    return table.get("state", "?"), [b for b in index if where.get(b) not in alive]
 
 
 RemoteDispatcher = ray.remote(Dispatcher)

@@ -21,17 +21,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import (
+    ActorUnavailableError,
+    GetTimeoutError,
+    RayActorError,
+    RayError,
+    RayTaskError,
+)
 
 from ..core.dispatch import collect as collect_results
 from ..core.dispatch import concat, span, take
 from ..core.routing import locate
-from .errors import CallTimeoutError, WorkerDiedError, dead_worker, describe_actor_death
+from .errors import CallTimeoutError, WorkerDiedError, death_cause
 
 logger = logging.getLogger(__name__)
 
 END_OF_ITERATION = "twinkle_ray:end-of-iteration"
 DEATH_QUERY_TIMEOUT_S = 5.0
+# An unreachable worker: how long a caller waits for its dispatcher's verdict (the dispatcher's
+# OUTAGE_LIMIT_S, plus the time Ray takes to report a node dead).
+OUTAGE_WAIT_S = 40.0
 # After a failure, how long to look at the other ranks' outcomes before raising (a peer's death
 # outranks a user error it caused). Stuck ranks are the dispatcher's business (GangStuckError).
 ERROR_GRACE_S = 0.5
@@ -59,35 +68,32 @@ class GangRef:
     n_workers: int = 1
 
     def death_error(self, exc: BaseException, rank: int | None) -> WorkerDiedError:
-        """The WorkerDiedError for a dead worker: the dispatcher's record of the first death.
+        """The WorkerDiedError for a failed ref: the dispatcher's record of the first death.
 
-        A death of another gang's worker (a producer whose output this gang's
-        call took as an input, so Ray failed the call before it ran) is named as
-        that worker's, not this gang's.
+        The dispatcher classifies by ``exc.actor_id`` (Ray's structured field) against its own
+        table of workers; a death of another gang's worker (a producer whose output this gang's
+        call took as an input, so Ray failed the call before it ran) is named as that worker's,
+        not this gang's. An unreachable worker (ActorUnavailableError) is waited on until the
+        dispatcher tells an outage from a lost node. A dead dispatcher is named as such.
         """
-        text = str(exc)
-        other = dead_worker(text)
-        if other is not None and (other[:2] != (self.group, self.cls_name) or self.dispatcher is None):
-            group, cls, rank, label, namespace = other
-            try:  # its own dispatcher knows the first death of that gang
-                d = ray.get_actor(label, namespace=namespace)
-                err = ray.get(d.death.remote(), timeout=DEATH_QUERY_TIMEOUT_S)
-            except Exception:
-                err = None
-            if err is None:
-                err = WorkerDiedError(group, cls, rank, *describe_actor_death(text))
-            if other[:2] != (self.group, self.cls_name):
-                err.add_note(f"it produced an input of a call on {self.cls_name} in group "
-                             f"'{self.group}'")
-            return err
-        try:
-            death = ray.get(self.dispatcher.death.remote(), timeout=DEATH_QUERY_TIMEOUT_S)
-        except Exception:  # the dispatcher is gone too: describe what we saw
-            death = None
-        if death is not None:
-            return death
-        node, cause = describe_actor_death(str(exc))
-        return WorkerDiedError(self.group, self.cls_name, rank, node, cause)
+        wait = OUTAGE_WAIT_S if isinstance(exc, ActorUnavailableError) else 2.0
+        actor_id = getattr(exc, "actor_id", None)
+        if self.dispatcher is not None:
+            try:
+                death = ray.get(self.dispatcher.death_of.remote(actor_id, wait),
+                                timeout=wait + DEATH_QUERY_TIMEOUT_S)
+            except RayActorError as gone:  # the dispatcher itself died
+                return WorkerDiedError(self.group, self.cls_name, None, None,
+                                       f"the gang's dispatcher died: {death_cause(gone)}",
+                                       kind="dispatcher")
+            except Exception:  # busy or unreachable: describe what we saw
+                death = None
+            if death is not None:
+                if (death.group, death.cls) != (self.group, self.cls_name):
+                    death.add_note(f"it produced an input of a call on {self.cls_name} in group "
+                                   f"'{self.group}'")
+                return death
+        return WorkerDiedError(self.group, self.cls_name, rank, None, death_cause(exc))
 
 
 @dataclass

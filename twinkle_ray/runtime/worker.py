@@ -213,6 +213,12 @@ class GangWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    @ray.method(concurrency_group="control")
+    def identity(self) -> tuple[str, str, str]:
+        """(this actor's id, its node's id, its node's IP): the dispatcher's table of its workers."""
+        ctx = ray.get_runtime_context()
+        return ctx.get_actor_id(), ctx.get_node_id(), ray.util.get_node_ip_address()
+
     def save_state(self, path: str | None = None) -> tuple[Any, bool]:
         """(the instance's ``state_dict()``, or the file it was saved to under ``path``; True)."""
         fn = getattr(self.instance, "state_dict", None)
