@@ -500,8 +500,11 @@ class Dispatcher:
                     return err
         return None
 
-    async def check_health(self) -> None:
-        """Raise WorkerDiedError if the gang is dead (Serve's health check calls this)."""
+    async def check_health(self, wait: bool = False) -> None:
+        """Raise WorkerDiedError if the gang is dead (Serve's health check calls this); ``wait``
+        first waits for an automatic rebuild under way."""
+        if wait and self._restart_task is not None and not self._restart_task.done():
+            await asyncio.shield(self._restart_task)
         if self.dead is not None:
             raise self.dead
         if not self.workers:

@@ -84,7 +84,8 @@ class GangRebuildError(WorkerDiedError):
         RuntimeError.__init__(
             self,
             f"gang of {death.cls} in group '{death.group}' is down: its automatic rebuild failed: "
-            f"{reason}. It was rebuilt because {str(death).split('. The gang was torn down')[0]}. "
+            f"{reason}. The rebuild followed this death: "
+            f"{str(death).split('. The gang was torn down')[0]}. "
             f"Call .restart() on it to try again once the cause is fixed.",
         )
 

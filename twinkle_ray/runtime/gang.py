@@ -63,6 +63,7 @@ def create_gang(
         seed=runtime.seed,
         namespace=runtime.namespace,
         max_restarts=max_restarts,
+        placement_timeout_s=runtime.placement_timeout_s,
         stuck_grace_s=stuck_grace_s,
     )
     here = ray.get_runtime_context().get_node_id()

@@ -297,10 +297,18 @@ class GangProxy:
         except Exception:  # the dispatcher is gone: nothing left to tear down
             logger.debug("abort of gang %s failed", self._desc["label"], exc_info=True)
 
-    def check_health(self, timeout: float = 10.0) -> None:
-        """Raise WorkerDiedError if a worker of the gang died."""
+    def check_health(self, timeout: float = 10.0, wait: bool = False) -> None:
+        """Raise WorkerDiedError if a worker of the gang died. ``wait``: first wait for an
+        automatic rebuild under way (then raise only if the gang stays down)."""
         self._check_open()
-        fetch([self._gang.dispatcher.check_health.remote()], [0], self._gang, "check_health", timeout)
+        fetch([self._gang.dispatcher.check_health.remote(wait)], [0], self._gang, "check_health",
+              timeout)
+
+    def set_restart_policy(self, max_restarts: int, window_s: float | None = None) -> str:
+        """Rebuild the gang automatically at most ``max_restarts`` times within ``window_s``
+        seconds (None: ever), replacing the class's ``max_restarts``; returns the policy."""
+        self._check_open()
+        return ray.get(self._gang.dispatcher.set_restart_policy.remote(max_restarts, window_s))
 
     def topology(self) -> dict:
         """The gang's ranks, nodes and devices (as its dispatcher reports them)."""
