@@ -76,20 +76,67 @@ def leftovers(namespace: str) -> dict:
     return {"pgs": pgs, "actors": actors}
 
 
+@ray.remote(num_cpus=0, resources={"launcher": 0.01})
+class Launcher:
+    """Creates the gang from a worker node, so its dispatcher lives there (soft affinity to the
+    creating process's node): the node-loss case that takes the dispatcher."""
+
+    def start(self) -> object:
+        twinkle.initialize(namespace="node-loss", groups=[DeviceGroup(GROUP, 4, "cpu")])
+        self.gang = Healing(remote_group=GROUP)
+        return self.gang
+
+
+def dispatcher_scenario(cluster, nodes, out: dict) -> None:
+    launcher = Launcher.remote()
+    g = ray.get(launcher.start.remote())
+    desc = g.topology()
+    victim = next(n for n in nodes if n.node_id == desc["dispatcher_node"][0])
+    out["victim"] = victim.node_id
+    g.where()()
+    pending = g.sleep(120)
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    cluster.remove_node(victim, allow_graceful=False)
+    try:
+        pending.get()
+        out["error"] = None
+    except WorkerDiedError as e:
+        out["to_error_s"] = time.monotonic() - t0
+        out["error"], out["error_type"] = str(e), type(e).__name__
+        out["kind"], out["node_id"], out["rank"] = e.kind, e.node_id, e.rank
+    time.sleep(2.0)
+    # The creator (the launcher) died with the node: its placement group is the job's until the
+    # job ends (Ray's rule for non-detached placement groups), so the driver removes it.
+    out["left_before_cleanup"] = leftovers("node-loss")
+    for pg in ray.util.placement_group_table().values():
+        if pg["name"].startswith("twinkle/") and pg["state"] != "REMOVED":
+            ray.util.remove_placement_group(ray.util.get_placement_group(pg["name"]))
+
+
 def main(scenario: str) -> dict:
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = [cluster.add_node(num_cpus=2), cluster.add_node(num_cpus=2)]
+    nodes = [cluster.add_node(num_cpus=2, resources={"launcher": 1}),
+             cluster.add_node(num_cpus=2, resources={"launcher": 1})]
     out: dict = {"scenario": scenario, "address": cluster.address}
     ckpt = tempfile.mkdtemp(prefix="twinkle-node-loss-")
     try:
         cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace="node-loss")
+        if scenario == "dispatcher-node-lost":
+            dispatcher_scenario(cluster, nodes, out)
+            ray.shutdown()
+            return out
         twinkle.initialize(address=cluster.address, namespace="node-loss",
                            groups=[DeviceGroup(GROUP, 4, "cpu")],
                            placement_timeout_s=15.0 if scenario == "no-capacity" else 120.0)
         g = Healing(remote_group=GROUP)
         where = g.where()()
-        victim = nodes[1]
+        # the worker node without the dispatcher (Ray may place it off the head node)
+        disp = g.topology()["dispatcher_node"][0]
+        victim = next(n for n in reversed(nodes) if n.node_id != disp)
+        out["dispatcher_moved"] = disp != cluster.head_node.node_id
         out["victim_ranks"] = [r for r, n in enumerate(where) if n == victim.node_id]
         out["victim"] = victim.node_id
         g.set_value(1)()
@@ -131,8 +178,9 @@ def main(scenario: str) -> dict:
         twinkle.shutdown()
         time.sleep(1.0)  # kills land
         out["left_after_shutdown"] = leftovers("node-loss")
-        ray.shutdown()
     finally:
+        twinkle.shutdown()
+        ray.shutdown()
         cluster.shutdown()
     return out
 

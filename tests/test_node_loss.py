@@ -94,3 +94,15 @@ def test_node_lost_without_capacity_names_missing_resources_and_releases_all():
     assert out["left"]["pgs"] == []  # the placement group is gone ...
     assert out["available"] == 2.0  # ... and the surviving node's CPUs are free again
     assert out["left_after_shutdown"] == {"pgs": [], "actors": []}
+
+
+@pytest.mark.slow
+def test_node_lost_with_the_dispatcher_names_the_dispatcher_and_its_node():
+    out = run_scenario("dispatcher-node-lost")
+    print(f"\nnode loss with the dispatcher: error after {out['to_error_s']:.1f}s")
+    assert out["error_type"] == "WorkerDiedError", out
+    assert out["kind"] == "dispatcher" and out["rank"] is None, out
+    assert out["node_id"] == out["victim"], out
+    assert out["error"].startswith("the dispatcher of Healing in group 'job/trainer' died (node "), out
+    assert out["to_error_s"] < TO_ERROR_LIMIT_S, out
+    assert out["left_before_cleanup"]["actors"] == [], out  # gang actors died with their owner

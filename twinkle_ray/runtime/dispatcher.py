@@ -529,6 +529,8 @@ class Dispatcher:
             "rebuilding": self._restart_task is not None and not self._restart_task.done(),
             "rebuild_error": self.rebuild_error,
             "restart_policy": self.policy.describe(),
+            "dispatcher_node": (ray.get_runtime_context().get_node_id(),
+                                ray.util.get_node_ip_address()),
             "saved_state": self.saved is not None,
             "ranks": [
                 {

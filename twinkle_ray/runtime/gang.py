@@ -100,6 +100,7 @@ def create_gang(
         mesh=mesh,
         gpus_per_worker=group.gpus_per_worker,
         n_workers=len(slots),
+        dispatcher_node=desc.get("dispatcher_node"),
     )
     proxy = GangProxy(cls, gang, execute, runtime.lazy_collect, desc)
     runtime.register(proxy)

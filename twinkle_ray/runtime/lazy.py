@@ -24,6 +24,7 @@ import ray
 from ray.exceptions import (
     ActorUnavailableError,
     GetTimeoutError,
+    ObjectLostError,
     RayActorError,
     RayError,
     RayTaskError,
@@ -66,6 +67,7 @@ class GangRef:
     mesh: Any = field(default=None, repr=False)
     gpus_per_worker: int = 1
     n_workers: int = 1
+    dispatcher_node: tuple[str, str] | None = None  # (node id, ip) of the dispatcher, if known
 
     def death_error(self, exc: BaseException, rank: int | None) -> WorkerDiedError:
         """The WorkerDiedError for a failed ref: the dispatcher's record of the first death.
@@ -83,9 +85,10 @@ class GangRef:
                 death = ray.get(self.dispatcher.death_of.remote(actor_id, wait),
                                 timeout=wait + DEATH_QUERY_TIMEOUT_S)
             except RayActorError as gone:  # the dispatcher itself died
-                return WorkerDiedError(self.group, self.cls_name, None, None,
+                node_id, ip = self.dispatcher_node or (None, None)
+                return WorkerDiedError(self.group, self.cls_name, None, ip,
                                        f"the gang's dispatcher died: {death_cause(gone)}",
-                                       kind="dispatcher")
+                                       node_id=node_id, kind="dispatcher")
             except Exception:  # busy or unreachable: describe what we saw
                 death = None
             if death is not None:
@@ -252,7 +255,7 @@ def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: f
             )
     try:
         return ray.get(refs)
-    except (RayTaskError, RayActorError, GetTimeoutError):
+    except (RayTaskError, RayActorError, GetTimeoutError, ObjectLostError):
         pass
     # Something failed. Look at every rank (briefly): a dead worker explains its peers'
     # collective errors, so a death anywhere outranks a user exception.
@@ -263,10 +266,12 @@ def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: f
         if ref in done:
             try:
                 ray.get(ref)
-            except (RayActorError, RayTaskError) as e:
+            except (RayActorError, RayTaskError, ObjectLostError) as e:
                 failures.append((rank, e))
     for rank, e in failures:
-        if isinstance(e, RayActorError) or isinstance(getattr(e, "cause", None), RayActorError):
+        # An output whose owner (the dispatcher) or whose node died is lost with it: a death too.
+        if isinstance(e, RayActorError | ObjectLostError) or isinstance(getattr(e, "cause", None),
+                                                                         RayActorError):
             raise gang.death_error(e, rank) from None
     if failures:
         rank, e = failures[0]
