@@ -76,68 +76,32 @@ def leftovers(namespace: str) -> dict:
     return {"pgs": pgs, "actors": actors}
 
 
-@ray.remote(num_cpus=0, resources={"launcher": 0.01})
-class Launcher:
-    """Creates the gang from a worker node, so its dispatcher lives there (soft affinity to the
-    creating process's node): the node-loss case that takes the dispatcher."""
-
-    def start(self) -> object:
-        twinkle.initialize(namespace="node-loss", groups=[DeviceGroup(GROUP, 4, "cpu")])
-        self.gang = Healing(remote_group=GROUP)
-        return self.gang
-
-
-def dispatcher_scenario(cluster, nodes, out: dict) -> None:
-    launcher = Launcher.remote()
-    g = ray.get(launcher.start.remote())
-    desc = g.topology()
-    victim = next(n for n in nodes if n.node_id == desc["dispatcher_node"][0])
-    out["victim"] = victim.node_id
-    g.where()()
-    pending = g.sleep(120)
-    time.sleep(1.0)
-    t0 = time.monotonic()
-    cluster.remove_node(victim, allow_graceful=False)
-    try:
-        pending.get()
-        out["error"] = None
-    except WorkerDiedError as e:
-        out["to_error_s"] = time.monotonic() - t0
-        out["error"], out["error_type"] = str(e), type(e).__name__
-        out["kind"], out["node_id"], out["rank"] = e.kind, e.node_id, e.rank
-    time.sleep(2.0)
-    # The creator (the launcher) died with the node: its placement group is the job's until the
-    # job ends (Ray's rule for non-detached placement groups), so the driver removes it.
-    out["left_before_cleanup"] = leftovers("node-loss")
-    for pg in ray.util.placement_group_table().values():
-        if pg["name"].startswith("twinkle/") and pg["state"] != "REMOVED":
-            ray.util.remove_placement_group(ray.util.get_placement_group(pg["name"]))
-
-
 def main(scenario: str) -> dict:
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = [cluster.add_node(num_cpus=2, resources={"launcher": 1}),
-             cluster.add_node(num_cpus=2, resources={"launcher": 1})]
+    # The dispatcher (num_cpus=0) asks for the driver's node, softly: Ray places it elsewhere
+    # when that node has nothing free. With a spare CPU on the worker nodes and none on the head
+    # it lands on a worker node, which the dispatcher scenario removes.
+    cpus = 3 if scenario == "dispatcher-node-lost" else 2
+    nodes = [cluster.add_node(num_cpus=cpus), cluster.add_node(num_cpus=cpus)]
     out: dict = {"scenario": scenario, "address": cluster.address}
     ckpt = tempfile.mkdtemp(prefix="twinkle-node-loss-")
     try:
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, namespace="node-loss")
-        if scenario == "dispatcher-node-lost":
-            dispatcher_scenario(cluster, nodes, out)
-            ray.shutdown()
-            return out
         twinkle.initialize(address=cluster.address, namespace="node-loss",
                            groups=[DeviceGroup(GROUP, 4, "cpu")],
                            placement_timeout_s=15.0 if scenario == "no-capacity" else 120.0)
         g = Healing(remote_group=GROUP)
         where = g.where()()
-        # the worker node without the dispatcher (Ray may place it off the head node)
-        disp = g.topology()["dispatcher_node"][0]
-        victim = next(n for n in reversed(nodes) if n.node_id != disp)
-        out["dispatcher_moved"] = disp != cluster.head_node.node_id
+        desc = g.topology()
+        disp = desc["dispatcher_node"][0]
+        if scenario == "dispatcher-node-lost":
+            victim = next(n for n in nodes if n.node_id == disp)  # StopIteration: on the head
+        else:  # the worker node without the dispatcher (Ray may place it off the head node)
+            victim = next(n for n in reversed(nodes) if n.node_id != disp)
         out["victim_ranks"] = [r for r, n in enumerate(where) if n == victim.node_id]
+        out["victim_bundles"] = sorted(desc["ranks"][r]["bundle"] for r in out["victim_ranks"])
         out["victim"] = victim.node_id
         g.set_value(1)()
         g.save_state(path=ckpt)  # files: survive the node's object store
@@ -154,7 +118,10 @@ def main(scenario: str) -> dict:
             out["error"] = str(e)
             out["error_type"] = type(e).__name__
             out["kind"], out["node_id"], out["rank"] = e.kind, e.node_id, e.rank
-        if scenario == "worker-node-lost":
+        if scenario == "dispatcher-node-lost":
+            time.sleep(2.0)
+            out["left"] = leftovers("node-loss")
+        elif scenario == "worker-node-lost":
             time.sleep(1.0)
             t1 = time.monotonic()
             nodes.append(cluster.add_node(num_cpus=2))  # capacity comes back

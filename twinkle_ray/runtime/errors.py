@@ -57,7 +57,7 @@ class WorkerDiedError(RuntimeError):
         if kind not in ("died", "dispatcher"):
             where += f", {kind}"
         super().__init__(
-            f"{who} of {cls} in group '{group}' died ({where}): {cause}. "
+            f"{who} of {cls} in group '{group}' died ({where}): {cause.rstrip('.')}. "
             f"The gang was torn down; call .restart() on it to rebuild."
         )
 

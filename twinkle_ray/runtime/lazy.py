@@ -87,7 +87,7 @@ class GangRef:
             except RayActorError as gone:  # the dispatcher itself died
                 node_id, ip = self.dispatcher_node or (None, None)
                 return WorkerDiedError(self.group, self.cls_name, None, ip,
-                                       f"the gang's dispatcher died: {death_cause(gone)}",
+                                       death_cause(gone),
                                        node_id=node_id, kind="dispatcher")
             except Exception:  # busy or unreachable: describe what we saw
                 death = None
