@@ -563,6 +563,20 @@ def _dispatcher_nodes(gangs) -> set:
     return {g.topology()["dispatcher_node"][0] for g in gangs}
 
 
+def wait_node_dead(node_id: str, log=print) -> None:
+    """Until Ray reports the node dead (its health checks: ~15 s after a hard kill), then a
+    moment for the dispatchers that watch workers there to tear their gangs down."""
+    import ray
+
+    deadline = time.monotonic() + RESTART_TIMEOUT_S
+    while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"node {node_id[:8]} still alive {RESTART_TIMEOUT_S:g}s after its removal")
+        time.sleep(0.5)
+    time.sleep(2.0)
+    log(f"  node {node_id[:8]} reported dead")
+
+
 def heal_all(gangs, deadline: float, log=print) -> None:
     """Every gang up again: wait for the rebuilds under way, restart() the gangs left dead
     (the loader's and reward's have no max_restarts; restart restores a saved state)."""
@@ -660,6 +674,7 @@ def run_chaos_nodes(steps: int = 30, *, every: int = 5, lr: float = 0.01, seed: 
                     swap = None  # thread only) and recover from what the loss did
                     workers.remove(victim)
                     workers.append(cluster.add_node(num_cpus=NODE_CPUS))
+                    wait_node_dead(victim.node_id, log=log)  # the gangs on it know by then
                     loader_gen = loader.topology()["generation"]
                     heal_all(gangs, time.monotonic() + RECOVER_TIMEOUT_S, log=log)
                     status = trainer.status()()
