@@ -28,15 +28,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
-from ..core.dispatch import worker_data_ranks
-from ..core.group import DeviceGroup
-from ..core.routing import peer_workers
 from .errors import (
     NODE_LOST,
     OUTAGE,
@@ -47,19 +42,18 @@ from .errors import (
     classify_death,
     death_cause,
 )
-from .lazy import END_OF_ITERATION, CallOutput, Collected, GangRef, LazyResult, Pieces, Window
-from .metrics import GangMetrics, metrics_enabled
-from .placement import BundleSlot
-from .proxy import GangProxy
+from .lazy import END_OF_ITERATION, CallOutput, GangRef
+from .metrics import GangMetrics
 from .restarts import RestartMetrics, RestartPolicy
+from .routing import CallPlan, Router
+from .spec import GangSpec
 from .worker import WorkerInfo, make_worker
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["Dispatcher", "GangSpec", "RemoteDispatcher"]
+
 STOP_GRACE_S = 2.0
-# Plans of this many recent calls are kept, so routing one of them into a later call needs
-# no fetch of the plan from the caller (who owns it). They keep those outputs alive a while.
-RECENT_PLANS = 8
 PROGRESS_QUERY_S = 5.0  # how long the stuck check waits for a worker to say what it is running
 TURN_WAIT_S = 60.0  # how long a call waits for its caller's previous call to arrive
 # A worker Ray calls unavailable (ActorUnavailableError) is watched again every OUTAGE_POLL_S
@@ -68,36 +62,6 @@ TURN_WAIT_S = 60.0  # how long a call waits for its caller's previous call to ar
 OUTAGE_POLL_S = 0.5
 OUTAGE_LIMIT_S = 30.0
 PLACEMENT_POLL_S = 0.5
-
-
-@dataclass
-class GangSpec:
-    """What a dispatcher needs to build (and rebuild) its gang."""
-
-    group: DeviceGroup
-    cls: type
-    label: str  # 'group/Class' (or 'group/Class-2'): prefix of every actor name
-    args: tuple
-    kwargs: dict
-    slots: list[BundleSlot]  # one per worker, in rank order
-    owns: list[bool]  # per worker: takes the bundle's devices (first gang on them)
-    pg: Any
-    mesh: Any = None
-    distributed: bool | None = None
-    dist_timeout_s: float = 120.0
-    seed: int | None = 42
-    namespace: str | None = None
-    max_restarts: int = 0
-    restart_window_s: float | None = None  # max_restarts within this many seconds (None: ever)
-    placement_timeout_s: float = 60.0  # a rebuild waits this long for its bundles to be placed
-    stuck_grace_s: float | None = 3.0  # None: never presume ranks stuck after a failure
-    env: dict[str, str] = field(default_factory=dict)
-    # metrics and 'group/Class.method' task names; TWINKLE_METRICS=0 where the gang is created: off
-    metrics: bool = field(default_factory=metrics_enabled)
-
-    @property
-    def cls_name(self) -> str:
-        return self.cls.__name__
 
 
 class Dispatcher:
@@ -120,15 +84,14 @@ class Dispatcher:
         self._watch_task: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
         self._suspect: asyncio.Task | None = None  # a stuck check after a reported failure
-        self._recent: OrderedDict[tuple[str, int], CallOutput] = OrderedDict()  # turn -> plan
         self.seq = 0  # calls submitted (all callers, all generations): the gang's one order
         self.saved: list | None = None  # per rank: last saved state (ObjectRef) or its file
         self.pids: list[int] = []
-        self._data_ranks: dict[int, tuple[int, list[int]]] = {}  # gang size -> slice_dp layout
-        self._gang_ref: GangRef | None = None  # this gang, as producer of its own inputs
+        self._gang_ref: GangRef | None = None  # this gang (with this actor's handle)
+        self._router: Router | None = None
         self.metrics = GangMetrics.create(spec.label, spec.metrics)
         # (method, with length record) -> (the workers list, each worker's bound task method)
-        self._submit: dict[tuple[str, bool], tuple[list, list]] = {}
+        self._bound: dict[tuple[str, bool], tuple[list, list]] = {}
         self.policy = RestartPolicy(spec.max_restarts, spec.restart_window_s)
         self.restart_metrics = RestartMetrics.create(spec.label, spec.metrics)
         # actor id (hex) -> (rank, node id, node ip) of this gang's workers, all generations:
@@ -136,9 +99,6 @@ class Dispatcher:
         self.table: dict[str, tuple[int, str | None, str | None]] = {}
         self.where: list[tuple[int, str | None, str | None]] = []  # current workers' rows
         self.rebuild_error: str | None = None  # why the last automatic rebuild failed
-        # dispatchers of gangs whose outputs this gang took as inputs: a death of one of their
-        # workers can fail this gang's calls, and they know which of theirs it was
-        self._producers: dict[tuple[str, str], Any] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> dict:
@@ -491,7 +451,8 @@ class Dispatcher:
         if actor_id is None or actor_id in self.table:
             return await self.death(wait_s)
         if ask_producers:
-            for handle in list(self._producers.values()):
+            producers = self._router.producers if self._router is not None else {}
+            for handle in list(producers.values()):
                 try:
                     err = await handle.death_of.remote(actor_id, wait_s, False)
                 except Exception:  # that producer's dispatcher is gone too
@@ -511,9 +472,9 @@ class Dispatcher:
             raise RuntimeError(f"gang {self.spec.label} is not running")
 
     def proxy(self):
-        """A GangProxy for this gang, for callers that found it by name (GangProxy.lookup)."""
-        execute = "first" if len(self.spec.slots) == 1 else "all"
-        return GangProxy(self.spec.cls, self._own_gang(), execute, True, self.describe())
+        """A GangProxy for this gang, for callers that found it by name (GangProxy.lookup): the
+        same ``execute`` and ``lazy_collect`` as the proxy ``create_gang`` returned."""
+        return self.spec.proxy(None, self.describe(), gang=self._own_gang())
 
     def describe(self) -> dict:
         """The gang's topology: one row per rank."""
@@ -558,65 +519,56 @@ class Dispatcher:
         turn: tuple[str, int] | None = None,
         collect: str | None = None,
     ) -> CallOutput:
-        """Route and submit one call; return the output refs without waiting for them.
+        """Take the call's turn, check the gang, plan the call, submit it; return the output refs
+        without waiting for them.
 
         ``per_worker`` holds each worker's (args, kwargs) as the caller already
         split them (plain values and ObjectRefs); LazyResult arguments in it are
-        routed here. ``turn`` = (caller id, sequence number): Ray may start an
-        async actor's tasks out of order, so each caller's calls are taken
-        strictly in the order it made them, and every rank gets the calls of
-        all callers in the one order they are submitted here. ``wait_meta``
-        waits for the outputs' length records (iteration uses it to see
-        StopIteration). ``collect`` names the caller's collect mode (None:
-        unknown); outputs get a length record only when routing them may slice
-        by length (each record is one more ObjectRef the caller borrows).
+        routed by the :class:`~twinkle_ray.runtime.routing.Router`. ``turn`` =
+        (caller id, sequence number): Ray may start an async actor's tasks out
+        of order, so each caller's calls are taken strictly in the order it made
+        them, and every rank gets the calls of all callers in the one order they
+        are submitted here. ``wait_meta`` waits for the outputs' length records
+        (iteration uses it to see StopIteration). ``collect`` names the caller's
+        collect mode (None: unknown); outputs get a length record only when
+        routing them may slice by length (each record is one more ObjectRef the
+        caller borrows).
         """
-        async with self._turn(turn):
-            workers = await self._running_workers()
-            n = len(workers)
-            if execute == "first":
-                targets = [0]
-            elif execute == "peer" and caller is not None:
-                targets = peer_workers(caller[0], caller[1], n)
-            else:
-                targets = list(range(n))
-            routes: dict[int, list] = {}
-            lengths: list = []  # producers' length records: leading arguments of every task
-            refs, metas = [], []
-            with_meta = wait_meta or _needs_lengths(collect, len(targets))
-            self.seq += 1
-            if self.metrics is not None:
-                self.metrics.called(method)
-            submit = self._submitters(method, with_meta, workers)
-            for i in targets:
-                args, kwargs = per_worker[i] if len(per_worker) > 1 else per_worker[0]
-                lead = lengths
-                if _has_lazy(args, kwargs):
-                    args, kwargs = await self._route(method, args, kwargs, i, dispatch, routes, lengths)
-                    lead = lengths + _aligned_refs(len(lengths), args, kwargs)
-                head = (method, self.seq, len(lead))
-                if with_meta:
-                    payload, meta = submit[i].remote(head, *lead, *args, **kwargs)
-                    metas.append(meta)
-                else:
-                    payload = submit[i].remote(head, *lead, *args, **kwargs)
-                refs.append(payload)
-        ended = False
+        async with self._turn(turn):  # 1. order
+            workers = await self._running_workers()  # 2. health
+            plan = await self._routing().plan(  # 3. plan
+                method, per_worker, dispatch, execute, caller, len(workers),
+                wait_meta=wait_meta, collect=collect,
+            )
+            out = self._submit(plan, workers)  # 4. submit
         if wait_meta:
-            ended = any(m == END_OF_ITERATION for m in await asyncio.gather(*metas))
-        out = CallOutput(refs=refs, metas=metas, workers=targets, ended=ended)
-        if turn is not None:
-            self._recent[turn] = out
-            if len(self._recent) > RECENT_PLANS:
-                self._recent.popitem(last=False)
+            out.ended = any(m == END_OF_ITERATION for m in await asyncio.gather(*out.metas))
+        self._routing().remember(turn, out)
         return out
+
+    def _submit(self, plan: CallPlan, workers: list) -> CallOutput:
+        """Send a planned call to its ranks as actor tasks (the task path); takes the next
+        number in the gang's one order. Returns at once with the output refs."""
+        self.seq += 1
+        if self.metrics is not None:
+            self.metrics.called(plan.method)
+        submit = self._submitters(plan.method, plan.with_meta, workers)
+        refs, metas = [], []
+        for i, msg in zip(plan.targets, plan.messages(self.seq), strict=True):
+            if plan.with_meta:
+                payload, meta = submit[i].remote(*msg.task_args(), **msg.kwargs)
+                metas.append(meta)
+            else:
+                payload = submit[i].remote(*msg.task_args(), **msg.kwargs)
+            refs.append(payload)
+        return CallOutput(refs=refs, metas=metas, workers=list(plan.targets))
 
     def _submitters(self, method: str, with_meta: bool, workers: list) -> list:
         """Each worker's bound task method for ``method`` (``run`` with two returns, or
         ``run_value``), named 'group/Class.method' for Ray's task list and timeline unless
         metrics are off. Made once per method and set of workers: nothing per call."""
         key = (method, with_meta)
-        hit = self._submit.get(key)
+        hit = self._bound.get(key)
         if hit is not None and hit[0] is workers:
             return hit[1]
         opts = {"name": f"{self.spec.label}.{method}"} if self.spec.metrics else {}
@@ -624,17 +576,19 @@ class Dispatcher:
             bound = [w.run.options(num_returns=2, **opts) for w in workers]
         else:
             bound = [w.run_value.options(**opts) if opts else w.run_value for w in workers]
-        self._submit[key] = (workers, bound)
+        self._bound[key] = (workers, bound)
         return bound
 
     def _own_gang(self) -> GangRef:
         """This gang's GangRef (for proxies; its callers send its own LazyResults without one)."""
         if self._gang_ref is None:
-            spec = self.spec
-            self._gang_ref = GangRef(spec.group.name, spec.cls_name,
-                                     ray.get_runtime_context().current_actor, spec.mesh,
-                                     spec.group.gpus_per_worker, len(spec.slots))
+            self._gang_ref = self.spec.gang_ref(ray.get_runtime_context().current_actor)
         return self._gang_ref
+
+    def _routing(self) -> Router:
+        if self._router is None:
+            self._router = Router(self.spec, self._own_gang())
+        return self._router
 
     @contextlib.asynccontextmanager
     async def _turn(self, turn: tuple[str, int] | None):
@@ -667,112 +621,6 @@ class Dispatcher:
         fut = self._turn_waiters.get((caller, nxt))
         if fut is not None and not fut.done():
             fut.set_result(None)
-
-    async def _route(self, method, args, kwargs, i, dispatch, routes, lengths):
-        async def one(v):
-            if not isinstance(v, LazyResult):
-                return v
-            key = id(v)
-            if key not in routes:
-                routes[key] = await self._plan_route(method, v, dispatch, lengths)
-            return routes[key][i]
-
-        new_args = tuple([await one(a) for a in args])
-        new_kwargs = {k: await one(v) for k, v in kwargs.items()}
-        return new_args, new_kwargs
-
-    async def _plan_route(self, method: str, lazy: LazyResult, dispatch: Any, lengths: list) -> list:
-        """One routed marker per worker of this gang for the LazyResult ``lazy``.
-
-        Waits for nothing but the producer's plan (its dispatcher returns that at
-        once; this gang's own recent plans are at hand): when the consumer slices by length, the producer's length records
-        are appended to ``lengths`` (the tasks' leading arguments) and each worker
-        computes its own window from them.
-        """
-        out = lazy._out or self._recent.get(lazy._turn) or await lazy._plan_ref
-        n = len(self.workers)
-        mode = lazy.collect
-        producer = lazy.gang if lazy.gang is not None else self._own_gang()  # see _strip_own_gang
-        if lazy.gang is not None and lazy.gang.dispatcher is not None:
-            self._producers[(lazy.gang.group, lazy.gang.cls_name)] = lazy.gang.dispatcher
-        if mode not in ("flatten", "none", "first"):
-            whole = Collected(list(out.refs), mode, list(out.workers), producer.mesh,
-                              producer.gpus_per_worker, producer, lazy.method)
-            return [whole] * n
-        k = 1 if mode == "first" else len(out.refs)
-        refs, ranks = list(out.refs[:k]), list(out.workers[:k])
-        as_list = mode == "none" and k > 1
-        # Enough to name the producer on failure (its dispatcher is found by name then): keeps
-        # the markers small, since every worker task of the call carries one.
-        named = GangRef(producer.group, producer.cls_name, dispatcher=None)
-        common = dict(as_list=as_list, producer=named, method=lazy.method, ranks=ranks)
-        if dispatch not in ("slice", "slice_dp"):
-            return [Pieces(refs, **common)] * n
-        if as_list:
-            slots, const = None, [1] * k
-        else:
-            slots, const = (len(lengths), len(lengths) + k), None
-            lengths.extend(out.metas[:k])
-        g = self.spec.group
-        if dispatch == "slice_dp":
-            dp = self._data_ranks.get(n)
-            if dp is None:  # the mesh is fixed: computed once per gang size
-                dp = self._data_ranks[n] = worker_data_ranks(n, self.spec.mesh, g.gpus_per_worker)
-            parts, index = dp
-        else:
-            parts, index = n, list(range(n))
-        aligned = k == n == parts and not as_list  # output i is worker i's slice if lengths are even
-        where, source = f"{method}() on group '{g.name}'", f"{producer.cls_name}.{lazy.method}"
-        if aligned:  # the refs travel as one object, fetched only if lengths are uneven
-            held = ray.put(refs)
-            return [
-                Pieces(None, **common, length_slots=slots, const_lengths=const,
-                       window=Window(parts, index[i], where, source), aligned=i,
-                       refs_ref=held, n_refs=k, own=refs[i])
-                for i in range(n)
-            ]
-        return [
-            Pieces(refs, **common, length_slots=slots, const_lengths=const,
-                   window=Window(parts, index[i], where, source), aligned=i if aligned else None)
-            for i in range(n)
-        ]
-
-
-def _needs_lengths(collect: str | None, n_outputs: int) -> bool:
-    """Whether routing these outputs can slice them by length (see ``_plan_route``).
-
-    'flatten' and 'first' outputs are sliced by their lengths, and so is a
-    single 'none' output; several 'none' outputs route as a list of whole
-    items, and 'mean'/'sum'/'last_pp'/custom collects route whole.
-    """
-    if collect is None:  # unknown: keep the records
-        return True
-    if collect == "none":
-        return n_outputs == 1
-    return collect in ("flatten", "first")
-
-
-def _aligned_refs(start: int, args: tuple, kwargs: dict) -> list:
-    """The producer refs that routed markers in one worker's arguments take as leading
-    arguments (numbered from ``start``); sets each marker's slot."""
-    extra = []
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, Pieces) and v.aligned is not None:
-            if v.refs is None and v.own is None:  # the same value twice: its slot is set
-                continue
-            v.aligned_slot = start + len(extra)
-            if v.refs is None:  # moved, so it does not travel nested in the marker too
-                extra.append(v.own)
-                v.own = None
-            else:
-                extra.append(v.refs[v.aligned])
-    return extra
-
-
-def _has_lazy(args: tuple, kwargs: dict) -> bool:
-    return any(isinstance(a, LazyResult) for a in args) or any(
-        isinstance(v, LazyResult) for v in kwargs.values()
-    )
 
 
 async def _all_or_first_error(refs: list) -> list:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .dispatcher import GangSpec, RemoteDispatcher
-from .lazy import GangRef
+from .dispatcher import RemoteDispatcher
 from .proxy import GangProxy, put_large, wait_with_progress
+from .spec import GangSpec
 
 
 def create_gang(
@@ -65,6 +65,8 @@ def create_gang(
         max_restarts=max_restarts,
         placement_timeout_s=runtime.placement_timeout_s,
         stuck_grace_s=stuck_grace_s,
+        execute=execute,
+        lazy_collect=runtime.lazy_collect,
     )
     here = ray.get_runtime_context().get_node_id()
     dispatcher = RemoteDispatcher.options(
@@ -93,15 +95,6 @@ def create_gang(
                 f"working_dir/py_modules). Ray said: {str(e).splitlines()[0]}"
             ) from None
         raise
-    gang = GangRef(
-        group=group.name,
-        cls_name=cls.__name__,
-        dispatcher=dispatcher,
-        mesh=mesh,
-        gpus_per_worker=group.gpus_per_worker,
-        n_workers=len(slots),
-        dispatcher_node=desc.get("dispatcher_node"),
-    )
-    proxy = GangProxy(cls, gang, execute, runtime.lazy_collect, desc)
+    proxy = spec.proxy(dispatcher, desc)
     runtime.register(proxy)
     return proxy
