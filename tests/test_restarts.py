@@ -84,6 +84,10 @@ class Plain:
     def pid(self) -> int:
         return os.getpid()
 
+    @remote_function(dispatch="all", collect="none")
+    def echo(self, x=None):
+        return x
+
 
 @remote_class(max_restarts=1)
 class FailsOnRebuild:
@@ -187,3 +191,29 @@ def test_restart_budget_is_bounded_logged_and_counted(runtime):
                                      "ray_twinkle_gang_restarts_refused_total": 1}, gang=label)
     assert got["ray_twinkle_gang_restarts_total"] == 1, got
     assert got["ray_twinkle_gang_restarts_refused_total"] == 1, got
+
+
+# ---------------------------------------------------------------------------- turns
+class Unloadable:
+    """Pickles fine here; unpickling it (in the dispatcher) raises."""
+
+    def __getstate__(self):
+        return {"x": 1}
+
+    def __setstate__(self, state):
+        raise ValueError("Unloadable cannot be restored")
+
+
+def test_an_argument_the_dispatcher_cannot_unpickle_is_named_and_never_stalls_the_next(runtime):
+    runtime.initialize(groups=[DeviceGroup("up", 2, "cpu")])
+    g = Plain(remote_group="up")
+    assert len(g.pid()()) == 2
+    bad = g.echo(x=Unloadable())  # pickled here; unpickling it in the dispatcher raises
+    nxt = g.pid()  # made before anyone looked at the bad call
+    # Bounded: a stalled turn would wait 60 s (TURN_WAIT_S) and raise CallTimeoutError here.
+    assert len(nxt.get(timeout=30)) == 2
+    with pytest.raises(TypeError, match=r"Plain.echo\(\) on group 'up': argument 'x' of type "
+                                        r"Unloadable cannot be unpickled \(ValueError: Unloadable "
+                                        r"cannot be restored\); the call did not run"):
+        bad.get()
+    assert len(g.pid().get(timeout=30)) == 2  # and the calls after it

@@ -543,7 +543,7 @@ class Dispatcher:
             out = self._submit(plan, workers)  # 4. submit
         if wait_meta:
             out.ended = any(m == END_OF_ITERATION for m in await asyncio.gather(*out.metas))
-        self._routing().remember(turn, out)
+        self._routing().remember(turn[:2] if turn else None, out)
         return out
 
     def _submit(self, plan: CallPlan, workers: list) -> CallOutput:
@@ -591,29 +591,47 @@ class Dispatcher:
         return self._router
 
     @contextlib.asynccontextmanager
-    async def _turn(self, turn: tuple[str, int] | None):
+    async def _turn(self, turn: tuple | None):
         """Hold the caller's turn: wait until its previous call was submitted, and pass the
-        turn on when the body ends (whatever happened in it). None: no order to keep."""
+        turn on when the body ends (whatever happened in it). None: no order to keep.
+
+        ``turn`` is (caller id, number[, [previous call's ref]]): a previous call that Ray
+        failed before it reached this actor (its arguments could not be unpickled) never takes
+        its turn; its ref settles, and this call goes ahead at once instead of waiting for it.
+        """
         if turn is None:
             yield
             return
-        await self._wait_turn(*turn)
+        await self._wait_turn(turn[0], turn[1], turn[2] if len(turn) > 2 else None)
         try:
             yield
         finally:
             self._end_turn(turn[0])
 
-    async def _wait_turn(self, caller: str, seq: int) -> None:
+    async def _wait_turn(self, caller: str, seq: int, prev: list | None = None) -> None:
         if self._turns.get(caller, 0) >= seq:  # its turn already (the usual case): no wait
             return
         fut = self._turn_waiters[(caller, seq)] = asyncio.get_running_loop().create_future()
+        settled = asyncio.ensure_future(_quiet(prev[0])) if prev and prev[0] is not None else None
         try:
-            await asyncio.wait_for(fut, TURN_WAIT_S)
-        except asyncio.TimeoutError:
-            logger.warning("gang %s: call %d of caller %s waited %.0fs for its predecessor; "
-                           "going ahead", self.spec.label, seq, caller, TURN_WAIT_S)
+            done, _ = await asyncio.wait([t for t in (fut, settled) if t is not None],
+                                         timeout=TURN_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+            if fut in done:
+                return
+            if settled is not None and settled in done and self._turns.get(caller, 0) < seq:
+                # Settled without taking its turn here: it never arrived. Skip it.
+                logger.warning("gang %s: call %d of caller %s never reached the dispatcher (its "
+                               "arguments could not be unpickled?); call %d goes ahead",
+                               self.spec.label, seq - 1, caller, seq)
+                self._turns[caller] = seq
+                return
+            if not done:
+                logger.warning("gang %s: call %d of caller %s waited %.0fs for its predecessor; "
+                               "going ahead", self.spec.label, seq, caller, TURN_WAIT_S)
         finally:
             self._turn_waiters.pop((caller, seq), None)
+            if settled is not None:
+                settled.cancel()
 
     def _end_turn(self, caller: str) -> None:
         nxt = self._turns.get(caller, 0) + 1

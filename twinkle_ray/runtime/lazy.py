@@ -27,6 +27,7 @@ from ray.exceptions import (
     ObjectLostError,
     RayActorError,
     RayError,
+    RaySystemError,
     RayTaskError,
 )
 
@@ -328,12 +329,13 @@ class LazyResult:
     """
 
     __slots__ = ("_plan_ref", "_out", "_value", "_has_value", "collect", "gang", "method", "timeout",
-                 "_turn")
+                 "_turn", "_args")
 
     def __init__(self, plan_ref, *, collect, gang: GangRef, method: str, timeout: float | None = None,
                  out: CallOutput | None = None, turn: tuple[str, int] | None = None):
         self._plan_ref = plan_ref
         self._turn = turn  # (caller id, number) of the call: its dispatcher knows the plan by it
+        self._args: tuple | None = None  # the caller's (args, kwargs), kept by the proxy
         self._out = out
         self._value = None
         self._has_value = False
@@ -349,9 +351,14 @@ class LazyResult:
             try:
                 self._out = ray.get(self._plan_ref)
             except RayTaskError as e:
+                if isinstance(e, RaySystemError) or isinstance(e.cause, RaySystemError):
+                    # Ray failed the call before it ran: its arguments did not unpickle there
+                    raise _unloadable(self, e) from None
                 raise _user_error(e, self.gang, self.method, None) from None
             except RayActorError as e:
                 raise self.gang.death_error(e, None) from None
+            except RaySystemError as e:
+                raise _unloadable(self, e) from None
         return self._out
 
     @property
@@ -404,6 +411,27 @@ class LazyResult:
             _rebuild_lazy,
             (self._plan_ref, self.collect, self.gang, self.method, self.timeout, self._out, self._turn),
         )
+
+
+def _unloadable(result: LazyResult, error: BaseException) -> BaseException:
+    """The TypeError for a call whose arguments the dispatcher could not unpickle, naming the
+    argument when a round trip here fails too (else Ray's error, as it came)."""
+    import cloudpickle
+
+    where = f"{result.gang.cls_name}.{result.method}() on group '{result.gang.group}'"
+    args, kwargs = result._args or ((), {})
+    for name, v in [*((f"argument {i}", a) for i, a in enumerate(args)),
+                    *((f"argument '{k}'", v) for k, v in kwargs.items())]:
+        if isinstance(v, ray.ObjectRef | LazyResult):
+            continue
+        try:
+            cloudpickle.loads(cloudpickle.dumps(v))
+        except Exception as e:
+            return TypeError(f"{where}: {name} of type {type(v).__name__} cannot be unpickled "
+                             f"({type(e).__name__}: {e}); the call did not run")
+    first = str(error).strip().splitlines()
+    return TypeError(f"{where}: its arguments could not be unpickled in the gang's dispatcher "
+                     f"({first[-1][:300] if first else type(error).__name__}); the call did not run")
 
 
 def _rebuild_lazy(plan_ref, collect, gang, method, timeout, out, turn=None):

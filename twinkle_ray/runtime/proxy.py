@@ -176,6 +176,10 @@ class GangProxy:
         # Calls are numbered per proxy so the dispatcher takes them in the order made here.
         self._caller_id = uuid.uuid4().hex
         self._next_turn = 0
+        # The previous call's plan ref travels with each call (nested: Ray does not wait for it):
+        # a call Ray failed before it reached the dispatcher (its arguments could not be
+        # unpickled there) never takes its turn, and its failed ref tells the next call so.
+        self._prev: list | None = None
         self._turn_lock = threading.Lock()
 
     # -- lookup --------------------------------------------------------------------------------
@@ -225,10 +229,11 @@ class GangProxy:
             with self._turn_lock:  # numbers follow submission order, also across threads
                 turn = (self._caller_id, self._next_turn)
                 plan = g.dispatcher.call.remote(
-                    name, per_worker, spec.dispatch, execute, caller, wait_meta, turn,
-                    spec.collect if isinstance(spec.collect, str) else "custom",
+                    name, per_worker, spec.dispatch, execute, caller, wait_meta,
+                    (*turn, self._prev), spec.collect if isinstance(spec.collect, str) else "custom",
                 )
                 self._next_turn += 1  # only a submitted call takes a turn
+                self._prev = [plan]
         except Exception as e:
             why = _unpicklable(args, kwargs)
             if why is None:
@@ -236,6 +241,7 @@ class GangProxy:
             raise TypeError(f"{g.cls_name}.{name}() on group '{g.group}': {why}") from e
         result = LazyResult(plan, collect=spec.collect, gang=g, method=name, timeout=spec.timeout,
                             turn=turn)
+        result._args = (args, kwargs)  # to name an argument the dispatcher could not unpickle
         lazy = self._lazy_default if spec.lazy_collect is None else spec.lazy_collect
         if spec.sync or not lazy:
             return result.get()
@@ -284,9 +290,10 @@ class GangProxy:
         self._check_open()
         g = self._gang
         with self._turn_lock:
-            turn = (self._caller_id, self._next_turn)
+            turn = (self._caller_id, self._next_turn, self._prev)
             ref = g.dispatcher.save_state.remote(path, turn)
             self._next_turn += 1
+            self._prev = [ref]
         fetch([ref], [0], g, "save_state", timeout)
 
     def _abort(self, reason: str, ranks: list[int] | None = None) -> None:
