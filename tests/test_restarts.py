@@ -217,3 +217,79 @@ def test_an_argument_the_dispatcher_cannot_unpickle_is_named_and_never_stalls_th
                                         r"cannot be restored\); the call did not run"):
         bad.get()
     assert len(g.pid().get(timeout=30)) == 2  # and the calls after it
+
+
+# ---------------------------------------------------------------------------- the dispatcher
+class _Valued:
+    def __init__(self):
+        self.value = 0
+
+    @remote_function(dispatch="all", collect="none")
+    def set_value(self, v: int) -> None:
+        self.value = v * 10 + get_rank()
+
+    @remote_function(dispatch="all", collect="none")
+    def get_value(self) -> int:
+        return self.value
+
+    @remote_function(dispatch="all", collect="none")
+    def sleep(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return get_rank()
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+@remote_class(max_restarts=1)
+class Respawned(_Valued):
+    pass
+
+
+@remote_class()
+class Mortal(_Valued):
+    pass
+
+
+def _kill_dispatcher_mid_call(g) -> WorkerDiedError:
+    import ray
+
+    from conftest import NAMESPACE
+
+    pending = g.sleep(30)
+    time.sleep(0.5)
+    label = g.topology()["label"]
+    ray.kill(ray.get_actor(label, namespace=NAMESPACE), no_restart=True)
+    with pytest.raises(WorkerDiedError) as info:
+        pending.get(timeout=LIMIT_S)
+    return info.value
+
+
+@pytest.mark.slow
+def test_killed_dispatcher_is_rebuilt_under_its_name_with_the_saved_state(runtime, tmp_path):
+    runtime.initialize(groups=[DeviceGroup("dk", 2, "cpu")])
+    g = Respawned(remote_group="dk")
+    label = g.topology()["label"]
+    g.set_value(5)()
+    g.save_state(path=str(tmp_path))
+    g.set_value(6)()  # lost with the gang
+    err = _kill_dispatcher_mid_call(g)
+    assert err.kind == "dispatcher" and err.rank is None
+    assert str(err).startswith("the dispatcher of Respawned in group 'dk' died (node ")
+    assert g.get_value()() == [50, 51]  # the next call: a new dispatcher, gang and restored state
+    assert g.topology()["label"] == label
+    err = _kill_dispatcher_mid_call(g)  # max_restarts=1: the second death is final
+    with pytest.raises(WorkerDiedError, match="its dispatcher died and is not rebuilt"):
+        g.get_value()()
+
+
+def test_killed_dispatcher_without_max_restarts_keeps_a_clear_error(runtime):
+    runtime.initialize(groups=[DeviceGroup("dm", 2, "cpu")])
+    g = Mortal(remote_group="dm")
+    err = _kill_dispatcher_mid_call(g)
+    assert err.kind == "dispatcher" and "the dispatcher of Mortal in group 'dm' died" in str(err)
+    with pytest.raises(WorkerDiedError, match="dispatcher of Mortal in group 'dm' died"):
+        g.get_value()()

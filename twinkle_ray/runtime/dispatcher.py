@@ -434,6 +434,10 @@ class Dispatcher:
         self.saved = [state for state, _ in outs]
         return len(outs)
 
+    def keep_saved(self, saved: list) -> None:
+        """Take per-rank saved states (files) to restore at start (a rebuilt dispatcher)."""
+        self.saved = list(saved)
+
     async def death(self, wait_s: float = 2.0) -> WorkerDiedError | None:
         """The first death seen (kept across restarts); waits briefly for the watcher to record one."""
         loop = asyncio.get_running_loop()

@@ -69,6 +69,7 @@ class GangRef:
     gpus_per_worker: int = 1
     n_workers: int = 1
     dispatcher_node: tuple[str, str] | None = None  # (node id, ip) of the dispatcher, if known
+    dispatcher_lost: bool = False  # a call saw the dispatcher dead (its creator may rebuild it)
 
     def death_error(self, exc: BaseException, rank: int | None) -> WorkerDiedError:
         """The WorkerDiedError for a failed ref: the dispatcher's record of the first death.
@@ -86,6 +87,7 @@ class GangRef:
                 death = ray.get(self.dispatcher.death_of.remote(actor_id, wait),
                                 timeout=wait + DEATH_QUERY_TIMEOUT_S)
             except RayActorError as gone:  # the dispatcher itself died
+                self.dispatcher_lost = True
                 node_id, ip = self.dispatcher_node or (None, None)
                 return WorkerDiedError(self.group, self.cls_name, None, ip,
                                        death_cause(gone),

@@ -29,6 +29,7 @@ import ray
 
 from ..core.dispatch import dispatch as split_args
 from ..core.functions import DEFAULT_FUNCTION, RemoteFunction
+from .errors import WorkerDiedError
 from .lazy import GangRef, LazyResult, fetch
 
 logger = logging.getLogger(__name__)
@@ -181,6 +182,12 @@ class GangProxy:
         # unpickled there) never takes its turn, and its failed ref tells the next call so.
         self._prev: list | None = None
         self._turn_lock = threading.Lock()
+        # Set by create_gang on the creator's proxy when max_restarts > 0: rebuilds the gang
+        # after its dispatcher died (never pickled: only the creator can).
+        self._respawn = None
+        self._respawn_limit = 0
+        self._respawns = 0
+        self._saved_files: list | None = None  # files of the last save_state(path=...)
 
     # -- lookup --------------------------------------------------------------------------------
     @classmethod
@@ -214,6 +221,8 @@ class GangProxy:
     def _call(self, name: str, spec: RemoteFunction, args: tuple, kwargs: dict,
               wait_meta: bool = False) -> Any:
         self._check_open()
+        if self._gang.dispatcher_lost:
+            self._rebuild_dispatcher()
         g = self._gang
         if spec.execute == "first" or spec.dispatch == "all" or self._execute == "first":
             per_worker = [(args, kwargs)]
@@ -267,6 +276,9 @@ class GangProxy:
     def restart(self, timeout: float | None = None) -> None:
         """Tear the gang down and rebuild it with a fresh torch.distributed world."""
         self._check_open()
+        if self._gang.dispatcher_lost:
+            self._rebuild_dispatcher()
+            return
         self._desc = wait_with_progress(
             self._gang.dispatcher.restart.remote(), f"restart of gang {self._desc['label']}", timeout
         )
@@ -294,7 +306,37 @@ class GangProxy:
             ref = g.dispatcher.save_state.remote(path, turn)
             self._next_turn += 1
             self._prev = [ref]
-        fetch([ref], [0], g, "save_state", timeout)
+        n = fetch([ref], [0], g, "save_state", timeout)[0]
+        # States saved in memory are owned by the dispatcher and die with it; files do not.
+        self._saved_files = None if path is None else [os.path.join(path, f"rank{r}.pt")
+                                                       for r in range(n)]
+
+    def _rebuild_dispatcher(self) -> None:
+        """The gang's dispatcher died: with ``max_restarts`` (and this proxy its creator's), a
+        new dispatcher under the same name rebuilds the gang and restores the last state saved
+        to files; else the dispatcher's death is raised again (today's error)."""
+        g = self._gang
+        with self._turn_lock:
+            if not g.dispatcher_lost:  # another thread rebuilt it
+                return
+            budget = self._respawn_limit
+            if self._respawn is None or self._respawns >= budget:
+                raise WorkerDiedError(g.group, g.cls_name, None, None,
+                                      "its dispatcher died and is not rebuilt "
+                                      f"({self._respawns} of max_restarts={budget} used)",
+                                      kind="dispatcher")
+            self._respawns += 1
+            logger.warning("gang %s: its dispatcher died; rebuilding it and the gang (%d of %d)",
+                           self._desc["label"], self._respawns, budget)
+            if self._saved_files is None:
+                logger.warning("gang %s: no state saved to files; the rebuilt gang starts from "
+                               "its constructor (in-memory saves die with the dispatcher)",
+                               self._desc["label"])
+            dispatcher, desc = self._respawn(self._saved_files)
+            g.dispatcher, g.dispatcher_node = dispatcher, desc.get("dispatcher_node")
+            g.dispatcher_lost = False
+            self._desc = desc
+            self._caller_id, self._next_turn, self._prev = uuid.uuid4().hex, 0, None
 
     def _abort(self, reason: str, ranks: list[int] | None = None) -> None:
         """Tear the gang down: ``ranks`` are stuck in a collective with another gang that failed
