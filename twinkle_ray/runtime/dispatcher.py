@@ -98,6 +98,8 @@ class Dispatcher:
         # the one table deaths are classified by (see errors.classify_death)
         self.table: dict[str, tuple[int, str | None, str | None]] = {}
         self.where: list[tuple[int, str | None, str | None]] = []  # current workers' rows
+        self.ids_now: list[str] = []  # current workers' actor ids
+        self.death_by_actor: dict[str, WorkerDiedError] = {}  # each generation's death, by actor
         self.rebuild_error: str | None = None  # why the last automatic rebuild failed
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -162,6 +164,7 @@ class Dispatcher:
             started = await _all_or_first_error(starts)
             ids = await asyncio.gather(*[w.identity.remote() for w in self.workers])
             self.where = [(rank, node_id, node_ip) for rank, (_, node_id, node_ip) in enumerate(ids)]
+            self.ids_now = [actor_id for actor_id, _, _ in ids]
             self.table.update({actor_id: row for (actor_id, _, _), row in zip(ids, self.where, strict=True)})
             if self.saved is not None:  # a rebuild: every rank gets its last saved state back
                 await _all_or_first_error(
@@ -291,6 +294,7 @@ class Dispatcher:
     async def _fail(self, error: WorkerDiedError) -> None:
         """The gang is broken: keep ``error`` for callers, tear it down whole, rebuild if allowed."""
         self.dead = self.last_death = error
+        self.death_by_actor.update(dict.fromkeys(self.ids_now, error))
         logger.warning("%s", error)
         if self.stopped:
             await self._kill_workers()
@@ -452,7 +456,13 @@ class Dispatcher:
         ``RayActorError.actor_id``): this gang's death record if the actor is one of its
         workers (or unknown), else the record of the producer gang whose worker it was (a gang
         whose output this one took as an input). None: no death known."""
-        if actor_id is None or actor_id in self.table:
+        if actor_id is not None and actor_id in self.table:  # ours: that generation's death
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + wait_s
+            while actor_id not in self.death_by_actor and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+            return self.death_by_actor.get(actor_id) or self.last_death
+        if actor_id is None:
             return await self.death(wait_s)
         if ask_producers:
             producers = self._router.producers if self._router is not None else {}
