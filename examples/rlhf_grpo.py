@@ -601,6 +601,193 @@ def run_chaos(steps: int = 100, *, kill_every: int = 5, lr: float = 0.005, batch
             "kills": monkey.kills, "redone": redone}
 
 
+# ------------------------------------------------------------------------------ --chaos-nodes
+CHAOS_NODES = 4          # worker nodes of 2 CPUs each: the gangs need 6 CPUs, so one can go
+NODE_CPUS = 2
+
+
+@dataclass
+class NodeLoss:
+    step: int
+    node: str           # the removed node's id
+    at: float           # time.monotonic() of the removal
+    error_s: float | None = None      # removal -> the first error the loop saw
+    recovered_s: float | None = None  # removal -> the first step completed after it
+
+
+def _dispatcher_nodes(gangs) -> set:
+    return {g.topology()["dispatcher_node"][0] for g in gangs}
+
+
+def wait_node_dead(node_id: str, log=print) -> None:
+    """Until Ray reports the node dead (its health checks: ~15 s after a hard kill), then a
+    moment for the dispatchers that watch workers there to tear their gangs down."""
+    import ray
+
+    deadline = time.monotonic() + RESTART_TIMEOUT_S
+    while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"node {node_id[:8]} still alive {RESTART_TIMEOUT_S:g}s after its removal")
+        time.sleep(0.5)
+    time.sleep(2.0)
+    log(f"  node {node_id[:8]} reported dead")
+
+
+def heal_all(gangs, deadline: float, log=print) -> None:
+    """Every gang up again: wait for the rebuilds under way, restart() the gangs left dead
+    (the loader's and reward's have no max_restarts; restart restores a saved state)."""
+    while True:
+        try:
+            for g in gangs:
+                try:
+                    g.check_health(timeout=RESTART_TIMEOUT_S, wait=True)
+                except WorkerDiedError:
+                    g.restart(timeout=RESTART_TIMEOUT_S)
+            return
+        except Exception as e:  # a gang that died again while another was rebuilt
+            if time.monotonic() > deadline:
+                raise
+            log(f"  recovery: {short(e)}; trying again")
+            time.sleep(1.0)
+
+
+def run_chaos_nodes(steps: int = 30, *, every: int = 5, lr: float = 0.01, seed: int = 0,
+                    nodes: int = CHAOS_NODES, log=print) -> dict:
+    """GRPO on a ``ray.cluster_utils.Cluster`` whose worker nodes go away: every ``every``
+    steps a random worker node (one without a dispatcher) is removed while the step runs,
+    its raylet and workers killed, and then a fresh node is added.
+
+    The head node holds no gang resources (the driver and the dispatchers live there). Gangs
+    on the lost node die whole: the trainer and sampler gangs are rebuilt by their dispatchers
+    (``max_restarts``) once the new node lets Ray re-place their bundles; the loader and reward
+    gangs are restarted by the driver. The trainer's and loader's states are saved to files
+    after every step (a node's object store goes with the node), so a rebuild restores the
+    model, the optimizer and the data position: a step is redone with the same batch, and no
+    data is lost. Returns what :func:`run_chaos` returns, with ``losses`` (NodeLoss rows).
+    """
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    ckpt = tempfile.mkdtemp(prefix="rlhf-chaos-nodes-")
+    losses: list[NodeLoss] = []
+    rng = random.Random(seed)
+    try:
+        workers = [cluster.add_node(num_cpus=NODE_CPUS) for _ in range(nodes)]
+        cluster.wait_for_nodes()
+        twinkle.initialize("ray", address=cluster.address, groups=groups(), seed=seed,
+                           placement_timeout_s=RESTART_TIMEOUT_S)
+        log(twinkle.get_device_placement())
+        loader, sampler, reward, trainer = build(lr=lr, batch_size=16, group_size=8, entropy_coef=0.05,
+                                                 seed=seed, num_prompts=4096, ray_data=False, chaos=True)
+        gangs = [loader, sampler, reward, trainer]
+
+        def save() -> None:
+            trainer.save_state(path=os.path.join(ckpt, "trainer"))
+            loader.save_state(path=os.path.join(ckpt, "loader"))
+
+        sync_weights(trainer, sampler, timeout_s=SYNC_TIMEOUT_S)
+        save()
+        safe = _dispatcher_nodes(gangs)
+        rewards, syncs, redone, clean_s = [], [], 0, []
+        start = time.perf_counter()
+        batches = endless(loader)
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            prompts = next(batches)
+            swap = None
+            if every > 0 and step % every == 0:
+                candidates = [n for n in workers if n.node_id not in safe]
+                victim = rng.choice(candidates)
+                delay = rng.uniform(0.0, float(np.median(clean_s[-10:])) if clean_s else 0.5)
+
+                def remove(victim=victim, delay=delay, step=step) -> None:
+                    time.sleep(delay)
+                    losses.append(NodeLoss(step, victim.node_id, time.monotonic()))
+                    cluster.remove_node(victim, allow_graceful=False)  # raylet and workers killed
+
+                swap = threading.Thread(target=remove, name="chaos-nodes", daemon=True)
+                swap.start()
+            for attempt in range(1, MAX_ATTEMPTS + 1):
+                metrics = stats = None
+                ta = time.perf_counter()
+                try:
+                    rollouts = sampler.generate(prompts)
+                    scores = reward.score(rollouts)
+                    out = trainer.train_step(rollouts, scores)()
+                    if out["applied"] < 1:
+                        raise StaleRollouts(f"trainer at version {out['version']:.0f} refused the rollouts")
+                    save()
+                    stats = sync_weights(trainer, sampler, timeout_s=SYNC_TIMEOUT_S)
+                    metrics = out
+                except Exception as e:
+                    if swap is None:
+                        raise
+                    if losses and losses[-1].step == step and losses[-1].error_s is None:
+                        losses[-1].error_s = time.monotonic() - losses[-1].at
+                    log(f"  step {step} try {attempt}: {short(e)}")
+                if swap is not None:
+                    swap.join()  # the node is gone: add a fresh one (Ray adds nodes from the main
+                    swap = None  # thread only) and recover from what the loss did
+                    workers.remove(victim)
+                    workers.append(cluster.add_node(num_cpus=NODE_CPUS))
+                    wait_node_dead(victim.node_id, log=log)  # the gangs on it know by then
+                    loader_gen = loader.topology()["generation"]
+                    heal_all(gangs, time.monotonic() + RECOVER_TIMEOUT_S, log=log)
+                    status = trainer.status()()
+                    sync_weights(trainer, sampler, timeout_s=SYNC_TIMEOUT_S)
+                    if status["version"] == step and metrics is not None:
+                        break  # the step finished and was saved before its gangs went
+                    if status["version"] == step:
+                        metrics = status["metrics"]
+                        stats = sync_weights(trainer, sampler, timeout_s=SYNC_TIMEOUT_S)
+                        break
+                    if status["version"] != step - 1:
+                        raise RuntimeError(f"step {step}: trainer at version {status['version']}, "
+                                           f"expected {step - 1} or {step}")
+                    redone += 1
+                    log(f"  step {step}: recovered (trainer at version {step - 1}); redoing it")
+                    if loader.topology()["generation"] != loader_gen:
+                        prompts = next(batches)  # the loader was rebuilt and restored: same batch
+                    continue
+                if metrics is not None:
+                    clean_s.append(time.perf_counter() - ta)
+                    break
+            else:
+                raise RuntimeError(f"step {step} did not finish in {MAX_ATTEMPTS} tries")
+            for loss in losses:
+                if loss.recovered_s is None:
+                    loss.recovered_s = time.monotonic() - loss.at
+            safe = _dispatcher_nodes(gangs)
+            rewards.append(metrics["reward"])
+            syncs.append(stats)
+            log(step_line(step, steps, metrics, stats, time.perf_counter() - t0))
+        return {"rewards": rewards, "sync": syncs, "seconds": time.perf_counter() - start,
+                "losses": losses, "redone": redone}
+    finally:
+        twinkle.shutdown()
+        import ray
+
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def chaos_nodes_report(out: dict, steps: int) -> int:
+    """Print the node losses and the final ``chaos:`` line; 0 if every step finished, every loss
+    was recovered from and the reward rose."""
+    rewards, losses = out["rewards"], out["losses"]
+    recovered = [k.recovered_s for k in losses if k.recovered_s is not None]
+    for k in losses:
+        err = f"first error after {k.error_s:.1f}s" if k.error_s is not None else "no call failed"
+        took = f"{k.recovered_s:.1f}s" if k.recovered_s is not None else "not recovered"
+        print(f"  node lost: {k.node[:8]} at step {k.step}: {err}, recovered in {took}")
+    n = max(1, min(10, max(3, len(rewards) // 10), len(rewards) // 2))
+    a, b = float(np.mean(rewards[:n])), float(np.mean(rewards[-n:]))
+    print(f"steps redone: {out['redone']}; reward A/B = mean of the first/last {n} steps")
+    print(f"chaos: {len(rewards)} steps, {len(losses)} kills, {len(recovered)} recoveries, "
+          f"max recovery {max(recovered, default=0.0):.1f}s, reward {a:.3f} -> {b:.3f}")
+    return 0 if len(rewards) == steps and len(recovered) == len(losses) and b > a else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None, help="training steps (default 100; 20 with --quick)")
@@ -612,6 +799,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="SIGKILL a random trainer or sampler worker every --kill-every steps; "
                              "the loop recovers and redoes the step")
     parser.add_argument("--kill-every", type=int, default=5, help="with --chaos: steps between kills (default 5)")
+    parser.add_argument("--chaos-nodes", action="store_true",
+                        help="run on a 3+-node ray.cluster_utils.Cluster of its own and remove a random "
+                             "worker node every --kill-every steps (a fresh one is added); gangs are "
+                             "rebuilt on the remaining capacity and the loop redoes the step")
     parser.add_argument("--plot", default=os.path.join(tempfile.gettempdir(), "rlhf_grpo_reward.png"),
                         help="where to save the PNG (when matplotlib is installed)")
     add_checkpoint_args(parser)
@@ -626,6 +817,10 @@ def main(argv: list[str] | None = None) -> int:
     lr = args.lr or (0.01 if args.quick else 0.005)
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if args.chaos_nodes:
+        out = run_chaos_nodes(args.steps or 30, every=args.kill_every, lr=args.lr or 0.01, seed=args.seed)
+        print(reward_curve(out["rewards"], baseline=RANDOM_POLICY_REWARD, window=5))
+        return chaos_nodes_report(out, args.steps or 30)
     # Embedded Ray when run as a script; attaches instead under `ray job submit` (RAY_ADDRESS).
     # 8 CPUs: 6 one-CPU workers in placement groups, the rest for Ray Data tasks.
     twinkle.initialize("ray", groups=groups(), seed=args.seed, num_cpus=8)

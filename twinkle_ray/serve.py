@@ -201,20 +201,21 @@ class ReplicaGang:
     ``data_world_size`` is the DeviceMesh's (found among the constructor
     arguments), else the number of workers.
 
-    **A dead worker is healed inside the replica.** When a worker dies,
-    the replica rebuilds its own gang on the same placement group (the
-    gang's ``restart()``; if the class was declared with
-    ``@remote_class(max_restarts=N)`` the dispatcher has already started
-    that rebuild and it is awaited, not repeated). Calls arriving meanwhile
-    wait for the rebuild; a call that was in flight at the death (it raised
-    ``WorkerDiedError``) is run again on the new gang, up to ``retries``
-    times, so the methods called through :meth:`call` must be safe to repeat
-    (sampling is; pass ``retries=0`` otherwise). Only when a rebuild fails,
-    takes longer than ``rebuild_timeout_s``, or more than ``max_rebuilds``
-    happen within ``rebuild_window_s`` does the gang count as unavailable:
-    calls and ``check_health`` raise :class:`GangUnavailable` and Serve
-    replaces the replica. ``heal=False`` turns all of this off (a death
-    fails ``check_health`` at once, as before).
+    **A dead worker is healed inside the replica, by the gang's own restart
+    policy.** The replica sets its limits on the gang's dispatcher (at most
+    ``max_rebuilds`` automatic rebuilds within ``rebuild_window_s``; they
+    replace the class's ``max_restarts``), and the dispatcher rebuilds the
+    gang on the same bundles when a worker dies: there is one policy, one
+    count of rebuilds, and the rebuilds show in ``twinkle_gang_restarts_total``.
+    Calls arriving meanwhile wait for the rebuild; a call that was in flight
+    at the death (it raised ``WorkerDiedError``) is run again on the new gang,
+    up to ``retries`` times, so the methods called through :meth:`call` must
+    be safe to repeat (sampling is; pass ``retries=0`` otherwise). Only when
+    the dispatcher gives up (a rebuild failed, or the budget is spent) or a
+    rebuild takes longer than ``rebuild_timeout_s`` does the gang count as
+    unavailable: calls and ``check_health`` raise :class:`GangUnavailable`
+    (saying why) and Serve replaces the replica. ``heal=False`` turns all of
+    this off (no automatic rebuild; a death fails ``check_health`` at once).
 
     Example::
 
@@ -268,81 +269,63 @@ class ReplicaGang:
         mesh = next((v for v in (*args, *kwargs.values()) if isinstance(v, DeviceMesh)), None)
         self.data_world_size = mesh.data_world_size if mesh is not None else group.num_workers
         self.proxy = cls(*args, remote_group=group.name, **kwargs)
-        self.rebuilds: list[float] = []  # monotonic times of the rebuilds this replica did
-        self._generation = self._describe().get("generation")
-        self._epoch = 0  # bumped by every rebuild: a call knows whether its gang was replaced
-        self._rebuild_task: asyncio.Task | None = None
+        self.policy = self.proxy.set_restart_policy(max_rebuilds if heal else 0, rebuild_window_s)
         self._unavailable: GangUnavailable | None = None
-        logger.info("replica gang %r started in namespace %s", self.proxy, self.namespace)
-
-    def _describe(self) -> dict:
-        try:
-            return dict(self.proxy.topology())
-        except Exception:  # noqa: BLE001 — only used to tell rebuilt gangs apart
-            logger.debug("topology of %r failed", self.proxy, exc_info=True)
-            return {}
+        logger.info("replica gang %r started in namespace %s (%s)", self.proxy, self.namespace,
+                    self.policy)
 
     # -- health and healing ----------------------------------------------------------------------
     @property
     def rebuilding(self) -> bool:
-        """True while a rebuild of the gang is under way."""
-        return self._rebuild_task is not None and not self._rebuild_task.done()
+        """True while the gang's dispatcher rebuilds it."""
+        try:
+            return bool(self.proxy.topology().get("rebuilding"))
+        except Exception:  # noqa: BLE001 — the dispatcher is gone: nothing is being rebuilt
+            return False
 
     async def check_health(self, timeout: float = 10.0) -> None:
-        """For Serve's ``check_health``: raise only if the gang is dead and cannot be rebuilt.
+        """For Serve's ``check_health``: raise only if the gang is dead and will not be rebuilt.
 
-        A dead gang that nobody has called since (an idle replica) is rebuilt
-        from here, in the background; while a rebuild is under way the
-        replica counts as healthy (the rebuild has its own deadline).
+        While the dispatcher rebuilds the gang the replica counts as healthy
+        (the rebuild has its own deadline: ``placement_timeout_s``).
         """
         from .runtime.errors import WorkerDiedError
 
         if self._unavailable is not None:
             raise self._unavailable
-        if self.rebuilding:
-            return
         try:
             await asyncio.to_thread(self.proxy.check_health, timeout)
         except WorkerDiedError as e:
             if not self.heal:
                 raise
-            self._start_rebuild(self._epoch, e)
-
-    def _start_rebuild(self, seen_epoch: int, death: BaseException) -> asyncio.Task | None:
-        """The rebuild for the gang a caller saw die (None: it was replaced already)."""
-        if self._epoch != seen_epoch:
-            return None
-        if not self.rebuilding:
-            self._rebuild_task = asyncio.ensure_future(self._rebuild(death))
-        return self._rebuild_task
-
-    async def _rebuild(self, death: BaseException) -> None:
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        self.rebuilds = [t for t in self.rebuilds if now - t < self.rebuild_window_s]
-        if len(self.rebuilds) >= self.max_rebuilds:
-            self._give_up(
-                f"its gang on group '{self.group.name}' died {len(self.rebuilds) + 1} times within "
-                f"{self.rebuild_window_s:g}s (max_rebuilds={self.max_rebuilds})", death)
-        self.rebuilds.append(now)
-        logger.warning("replica gang %r: %s; rebuilding it on the replica's placement group",
-                       self.proxy, death)
-        try:
             desc = await asyncio.to_thread(self._describe)
-            if desc.get("dead") or desc.get("generation") in (None, self._generation):
-                # Not rebuilt yet by the dispatcher itself (max_restarts); restart() also awaits a
-                # rebuild the dispatcher has under way instead of starting a second one.
-                await asyncio.wait_for(
-                    asyncio.to_thread(self.proxy.restart, self.rebuild_timeout_s),
-                    self.rebuild_timeout_s + 5.0,
-                )
-                desc = await asyncio.to_thread(self._describe)
-        except Exception as e:  # noqa: BLE001 — anything here means: no gang to serve with
-            self._give_up(f"rebuilding its gang on group '{self.group.name}' failed: "
+            if desc.get("rebuilding"):
+                return
+            self._give_up(f"its gang on group '{self.group.name}' is down and not being rebuilt: "
+                          f"{e}", e)
+        except Exception as e:  # noqa: BLE001 — the dispatcher is gone
+            self._give_up(f"its gang on group '{self.group.name}' cannot be reached: "
                           f"{type(e).__name__}: {e}", e)
-        self._generation = desc.get("generation")
-        self._epoch += 1
-        logger.warning("replica gang %r rebuilt in %.1fs", self.proxy, loop.time() - now)
+
+    def _describe(self) -> dict:
+        try:
+            return dict(self.proxy.topology())
+        except Exception:  # noqa: BLE001 — the dispatcher is gone
+            logger.debug("topology of %r failed", self.proxy, exc_info=True)
+            return {}
+
+    async def _await_rebuild(self, death: BaseException) -> None:
+        """Wait for the dispatcher's rebuild after ``death``; GangUnavailable if it gives up."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            await asyncio.wait_for(
+                asyncio.to_thread(self.proxy.check_health, self.rebuild_timeout_s, True),
+                self.rebuild_timeout_s + 5.0)
+        except Exception as e:  # noqa: BLE001 — anything here means: no gang to serve with
+            self._give_up(f"its gang on group '{self.group.name}' was not rebuilt after "
+                          f"{death}: {type(e).__name__}: {e}", e)
+        logger.warning("replica gang %r ready again after %.1fs", self.proxy, loop.time() - t0)
 
     def _give_up(self, why: str, cause: BaseException) -> None:
         self._unavailable = GangUnavailable(
@@ -362,7 +345,7 @@ class ReplicaGang:
         replica's event loop keeps serving. A call made while the gang is
         being rebuilt waits for the rebuild; one that meets a dead worker is
         run again on the rebuilt gang (``retries``, default the gang's).
-        Raises :class:`GangUnavailable` when the gang cannot be rebuilt.
+        Raises :class:`GangUnavailable` when the gang is not rebuilt.
         """
         from .runtime.errors import WorkerDiedError
 
@@ -371,20 +354,17 @@ class ReplicaGang:
         while True:
             if self._unavailable is not None:
                 raise self._unavailable
-            if self.rebuilding:
-                await asyncio.shield(self._rebuild_task)
-            epoch = self._epoch
             try:
                 return await self._call_once(method, items, pad, timeout)
             except WorkerDiedError as e:
-                if not self.heal or attempt >= retries:
+                if not self.heal:
+                    raise
+                await self._await_rebuild(e)
+                if attempt >= retries:
                     raise
                 attempt += 1
-                task = self._start_rebuild(epoch, e)
-                logger.info("call on replica gang %r met a dead worker; retry %d of %d after "
-                            "the rebuild", self.proxy, attempt, retries)
-                if task is not None:
-                    await asyncio.shield(task)
+                logger.info("call on replica gang %r met a dead worker; retry %d of %d on the "
+                            "rebuilt gang", self.proxy, attempt, retries)
 
     async def _call_once(self, method: Callable, items: Sequence, pad: Any,
                          timeout: float | None) -> list:
@@ -401,12 +381,22 @@ class ReplicaGang:
         return {"namespace": self.namespace, **self.proxy.topology()}
 
     def close(self) -> None:
-        """Kill the gang (the placement group stays Serve's). Idempotent."""
-        import twinkle_ray
+        """Kill this replica's gang and forget its group (the placement group stays Serve's).
 
-        if self._rebuild_task is not None:
-            self._rebuild_task.cancel()
-        twinkle_ray.shutdown()
+        Other gangs of the process, and the twinkle_ray runtime, are left alone. Idempotent.
+        """
+        from .runtime.session import current
+
+        self.proxy.close("ReplicaGang.close() was called")
+        rt = current()
+        if rt is None:
+            return
+        rt.gangs[:] = [p for p in rt.gangs if p is not self.proxy]
+        name = self.group.name
+        if name in rt.adopted:
+            for table in (rt.groups, rt.pgs, rt.slots, rt.claimed):
+                table.pop(name, None)
+            rt.adopted.discard(name)
 
 
 # -- JSON over HTTP --------------------------------------------------------------------------------

@@ -28,59 +28,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
-from ..core import defaults
-from ..core.dispatch import worker_data_ranks
-from ..core.group import DeviceGroup
-from ..core.routing import peer_workers
-from .errors import GangStuckError, WorkerDiedError, describe_actor_death
-from .lazy import END_OF_ITERATION, CallOutput, Collected, GangRef, LazyResult, Pieces, Window
-from .metrics import GangMetrics, metrics_enabled
-from .placement import BundleSlot
-from .proxy import GangProxy
+from .errors import (
+    NODE_LOST,
+    OUTAGE,
+    GangRebuildError,
+    GangStuckError,
+    PlacementError,
+    WorkerDiedError,
+    classify_death,
+    death_cause,
+)
+from .lazy import END_OF_ITERATION, CallOutput, GangRef
+from .metrics import GangMetrics
+from .restarts import RestartMetrics, RestartPolicy
+from .routing import CallPlan, Router
+from .spec import GangSpec
 from .worker import WorkerInfo, make_worker
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["Dispatcher", "GangSpec", "RemoteDispatcher"]
+
 STOP_GRACE_S = 2.0
-# Plans of this many recent calls are kept, so routing one of them into a later call needs
-# no fetch of the plan from the caller (who owns it). They keep those outputs alive a while.
-RECENT_PLANS = 8
 PROGRESS_QUERY_S = 5.0  # how long the stuck check waits for a worker to say what it is running
 TURN_WAIT_S = 60.0  # how long a call waits for its caller's previous call to arrive
-
-
-@dataclass
-class GangSpec:
-    """What a dispatcher needs to build (and rebuild) its gang."""
-
-    group: DeviceGroup
-    cls: type
-    label: str  # 'group/Class' (or 'group/Class-2'): prefix of every actor name
-    args: tuple
-    kwargs: dict
-    slots: list[BundleSlot]  # one per worker, in rank order
-    owns: list[bool]  # per worker: takes the bundle's devices (first gang on them)
-    pg: Any
-    mesh: Any = None
-    distributed: bool | None = None
-    dist_timeout_s: float = defaults.DIST_TIMEOUT_S
-    seed: int | None = defaults.SEED
-    namespace: str | None = None
-    max_restarts: int = 0
-    stuck_grace_s: float | None = defaults.STUCK_GRACE_S  # None: never presume ranks stuck after a failure
-    env: dict[str, str] = field(default_factory=dict)
-    # metrics and 'group/Class.method' task names; TWINKLE_METRICS=0 where the gang is created: off
-    metrics: bool = field(default_factory=metrics_enabled)
-
-    @property
-    def cls_name(self) -> str:
-        return self.cls.__name__
+# A worker Ray calls unavailable (ActorUnavailableError) is watched again every OUTAGE_POLL_S
+# until Ray says it died, its node is reported dead (a lost node), it answers again (an outage
+# that ended) or OUTAGE_LIMIT_S pass (then it counts as dead: 'unreachable').
+OUTAGE_POLL_S = 0.5
+OUTAGE_LIMIT_S = 30.0
+PLACEMENT_POLL_S = 0.5
 
 
 class Dispatcher:
@@ -103,15 +84,23 @@ class Dispatcher:
         self._watch_task: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
         self._suspect: asyncio.Task | None = None  # a stuck check after a reported failure
-        self._recent: OrderedDict[tuple[str, int], CallOutput] = OrderedDict()  # turn -> plan
         self.seq = 0  # calls submitted (all callers, all generations): the gang's one order
         self.saved: list | None = None  # per rank: last saved state (ObjectRef) or its file
         self.pids: list[int] = []
-        self._data_ranks: dict[int, tuple[int, list[int]]] = {}  # gang size -> slice_dp layout
-        self._gang_ref: GangRef | None = None  # this gang, as producer of its own inputs
+        self._gang_ref: GangRef | None = None  # this gang (with this actor's handle)
+        self._router: Router | None = None
         self.metrics = GangMetrics.create(spec.label, spec.metrics)
         # (method, with length record) -> (the workers list, each worker's bound task method)
-        self._submit: dict[tuple[str, bool], tuple[list, list]] = {}
+        self._bound: dict[tuple[str, bool], tuple[list, list]] = {}
+        self.policy = RestartPolicy(spec.max_restarts, spec.restart_window_s)
+        self.restart_metrics = RestartMetrics.create(spec.label, spec.metrics)
+        # actor id (hex) -> (rank, node id, node ip) of this gang's workers, all generations:
+        # the one table deaths are classified by (see errors.classify_death)
+        self.table: dict[str, tuple[int, str | None, str | None]] = {}
+        self.where: list[tuple[int, str | None, str | None]] = []  # current workers' rows
+        self.ids_now: list[str] = []  # current workers' actor ids
+        self.death_by_actor: dict[str, WorkerDiedError] = {}  # each generation's death, by actor
+        self.rebuild_error: str | None = None  # why the last automatic rebuild failed
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> dict:
@@ -173,6 +162,10 @@ class Dispatcher:
                 for w in self.workers
             ]
             started = await _all_or_first_error(starts)
+            ids = await asyncio.gather(*[w.identity.remote() for w in self.workers])
+            self.where = [(rank, node_id, node_ip) for rank, (_, node_id, node_ip) in enumerate(ids)]
+            self.ids_now = [actor_id for actor_id, _, _ in ids]
+            self.table.update({actor_id: row for (actor_id, _, _), row in zip(ids, self.where, strict=True)})
             if self.saved is not None:  # a rebuild: every rank gets its last saved state back
                 await _all_or_first_error(
                     [w.load_state.remote(st) for w, st in zip(self.workers, self.saved, strict=True)]
@@ -194,8 +187,14 @@ class Dispatcher:
     async def restart(self) -> dict:
         """Tear the gang down (if anything is left) and build a fresh one."""
         if self._restart_task is not None and not self._restart_task.done():
-            await self._restart_task
+            await asyncio.shield(self._restart_task)
+            if self.dead is not None:
+                raise self.dead
             return self.describe()
+        if self.restart_metrics is not None:
+            self.restart_metrics.restarted("manual")
+        logger.warning("gang %s: restart() asked for; rebuilding it", self.spec.label)
+        self.rebuild_error = None
         return await self._kill_and_start()
 
     async def stop(self) -> None:
@@ -221,36 +220,154 @@ class Dispatcher:
 
     # -- health --------------------------------------------------------------------------------
     async def _watch(self, gen: int, workers: list) -> None:
-        async def one(rank, ref):
-            try:
-                await ref
-            except Exception as e:  # the actor died: that is the only way watch() ends
-                return rank, e
-            return rank, None
+        async def one(rank, w):
+            loop = asyncio.get_running_loop()
+            since = None
+            while True:
+                try:
+                    await w.watch.remote()
+                except Exception as e:  # the actor died or is unreachable: watch() never returns
+                    d = classify_death(e, self.table)
+                    if d is None or d.kind != OUTAGE:
+                        return rank, e
+                    # Unavailable is not dead: look again until Ray decides, or the node is gone.
+                    if since is None:
+                        since = loop.time()
+                        logger.warning("gang %s: rank %d is unreachable (%s); watching it",
+                                       self.spec.label, rank, type(e).__name__)
+                    node = self._node_of(rank)
+                    if node and node not in await asyncio.to_thread(_alive_node_ids):
+                        return rank, e
+                    if loop.time() - since > OUTAGE_LIMIT_S:
+                        return rank, e
+                    await asyncio.sleep(OUTAGE_POLL_S)
+                    if gen != self.generation or self.stopped:
+                        return rank, None
+                    continue
+                return rank, None
 
-        tasks = [asyncio.ensure_future(one(r, w.watch.remote())) for r, w in enumerate(workers)]
+        tasks = [asyncio.ensure_future(one(r, w)) for r, w in enumerate(workers)]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             for t in tasks:
                 t.cancel()
             raise
+        for t in tasks:
+            t.cancel()
         if gen != self.generation or self.stopped:
             return
         rank, exc = next(iter(done)).result()
-        node, cause = describe_actor_death(str(exc)) if exc else (None, "watch ended")
-        node = node or self.spec.slots[rank].node_ip
-        await self._fail(WorkerDiedError(self.spec.group.name, self.spec.cls_name, rank, node, cause))
+        error = await self._death_error(rank, exc)
+        if gen != self.generation or self.stopped:
+            return
+        await self._fail(error)
+
+    def _node_of(self, rank: int) -> str | None:
+        return self.where[rank][1] if rank < len(self.where) else None
+
+    async def _death_error(self, rank: int, exc: BaseException | None) -> WorkerDiedError:
+        """The WorkerDiedError for rank ``rank``'s failed watch, classified from Ray's structured
+        fields and this dispatcher's table (a lost node names every rank that ran on it)."""
+        g, cls = self.spec.group.name, self.spec.cls_name
+        if exc is None:
+            slot = self.spec.slots[rank]
+            return WorkerDiedError(g, cls, rank, slot.node_ip, "its watch ended", slot.node_id)
+        alive = await asyncio.to_thread(_alive_node_ids)
+        d = classify_death(exc, self.table, alive)
+        if d is None:  # not an actor error about a worker we know: say what Ray said
+            slot = self.spec.slots[rank]
+            return WorkerDiedError(g, cls, rank, slot.node_ip, death_cause(exc), slot.node_id)
+        kind, cause = d.kind, d.cause
+        if kind == OUTAGE:
+            if d.node_id is not None and d.node_id not in alive:
+                kind = NODE_LOST
+                cause = f"its node {d.node_ip} ({d.node_id[:8]}) left the cluster"
+            else:
+                kind = "unreachable"
+                cause = f"unreachable for more than {OUTAGE_LIMIT_S:g}s (ActorUnavailableError)"
+        if kind in (NODE_LOST, "preempted") and d.node_id is not None:
+            there = sorted(r for r, n, _ in self.where if n == d.node_id)
+            cause += f"; rank(s) {there} of the gang ran there"
+        return WorkerDiedError(g, cls, d.rank, d.node_ip, cause, node_id=d.node_id, kind=kind)
 
     async def _fail(self, error: WorkerDiedError) -> None:
         """The gang is broken: keep ``error`` for callers, tear it down whole, rebuild if allowed."""
         self.dead = self.last_death = error
+        self.death_by_actor.update(dict.fromkeys(self.ids_now, error))
         logger.warning("%s", error)
-        if self.restarts < self.spec.max_restarts and not self.stopped:
-            self.restarts += 1
-            self._restart_task = asyncio.ensure_future(self._kill_and_start())
-        else:
+        if self.stopped:
             await self._kill_workers()
+            return
+        if self.policy.max_restarts > 0 and self.policy.allow(asyncio.get_running_loop().time()):
+            self.restarts += 1
+            if self.restart_metrics is not None:
+                self.restart_metrics.restarted(error.kind)
+            logger.warning("gang %s: automatic rebuild %d (%s)", self.spec.label, self.restarts,
+                           self.policy.describe())
+            self._restart_task = asyncio.ensure_future(self._rebuild(error))
+            return
+        if self.policy.max_restarts > 0:
+            if self.restart_metrics is not None:
+                self.restart_metrics.refused_one()
+            self.rebuild_error = (f"not rebuilt: its restart budget is spent ({self.restarts} "
+                                  f"automatic rebuild(s); {self.policy.describe()})")
+            self.dead = GangRebuildError(error, self.rebuild_error)
+            logger.error("%s", self.dead)
+        await self._kill_workers()
+
+    async def _rebuild(self, error: WorkerDiedError) -> None:
+        """An automatic rebuild after ``error``; if it fails, calls get why (GangRebuildError)."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            await self._kill_and_start()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if self.restart_metrics is not None:
+                self.restart_metrics.failed()
+            self.rebuild_error = _cause_text(e) if not isinstance(e, PlacementError) else str(e)
+            if not self.stopped:
+                self.dead = GangRebuildError(error, self.rebuild_error)
+                logger.error("%s", self.dead)
+            return
+        logger.warning("gang %s rebuilt in %.1fs after: %s", self.spec.label, loop.time() - t0, error)
+
+    async def _placement_ready(self) -> None:
+        """Wait until every bundle of the gang is placed on a live node (after a node loss Ray
+        re-places the bundles that were on it once some node has room). After
+        ``placement_timeout_s`` the placement group is removed (nothing stays reserved) and
+        PlacementError names the bundles and resources missing."""
+        spec, g = self.spec, self.spec.group
+        index = sorted({s.bundle_index for s in spec.slots})
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + spec.placement_timeout_s
+        while True:
+            state, missing = await asyncio.to_thread(_placement_state, spec.pg, index)
+            if state == "REMOVED":
+                raise PlacementError(f"gang {spec.label}: the placement group of group '{g.name}' "
+                                     f"was removed; create the gang again")
+            if state == "CREATED" and not missing:
+                return
+            if loop.time() >= deadline:
+                need: dict[str, float] = {}
+                for b in missing:
+                    for k, v in spec.pg.bundle_specs[b].items():
+                        need[k] = need.get(k, 0.0) + v
+                have = await asyncio.to_thread(ray.available_resources)
+                fmt = ", ".join(f"{k}: {v:g}" for k, v in sorted(need.items()))
+                avail = ", ".join(f"{k}: {have.get(k, 0.0):g}" for k in sorted(need))
+                from .placement import remove
+
+                await asyncio.to_thread(remove, spec.pg)
+                raise PlacementError(
+                    f"gang {spec.label} cannot be rebuilt: bundle(s) {missing} of group '{g.name}' "
+                    f"found no node within placement_timeout_s={spec.placement_timeout_s:g}s "
+                    f"(their node left the cluster): missing {{{fmt}}}, available {{{avail}}}. "
+                    f"The group's placement group was removed, so nothing stays reserved; add "
+                    f"capacity and create the gang again")
+            await asyncio.sleep(PLACEMENT_POLL_S)
 
     async def report_failure(self, gen: int, seq: int, rank: int, method: str, cause: str) -> None:
         """A worker's call raised. Unless a check is already running, look again after the grace
@@ -289,7 +406,13 @@ class Dispatcher:
 
     async def _kill_and_start(self) -> dict:
         await self._kill_workers()
+        await self._placement_ready()
         return await self.start()
+
+    def set_restart_policy(self, max_restarts: int, window_s: float | None = None) -> str:
+        """Replace the gang's restart policy (a Serve replica sets its own limits here)."""
+        self.policy = RestartPolicy(max_restarts, window_s)
+        return self.policy.describe()
 
     async def _running_workers(self) -> list:
         """The workers once the gang can take a call: after a pending stuck check or rebuild;
@@ -315,6 +438,10 @@ class Dispatcher:
         self.saved = [state for state, _ in outs]
         return len(outs)
 
+    def keep_saved(self, saved: list) -> None:
+        """Take per-rank saved states (files) to restore at start (a rebuilt dispatcher)."""
+        self.saved = list(saved)
+
     async def death(self, wait_s: float = 2.0) -> WorkerDiedError | None:
         """The first death seen (kept across restarts); waits briefly for the watcher to record one."""
         loop = asyncio.get_running_loop()
@@ -323,17 +450,45 @@ class Dispatcher:
             await asyncio.sleep(0.02)
         return self.last_death
 
-    async def check_health(self) -> None:
-        """Raise WorkerDiedError if the gang is dead (Serve's health check calls this)."""
+    async def death_of(self, actor_id: str | None, wait_s: float = 2.0,
+                       ask_producers: bool = True) -> WorkerDiedError | None:
+        """The death that explains a failed ref about actor ``actor_id`` (Ray's
+        ``RayActorError.actor_id``): this gang's death record if the actor is one of its
+        workers (or unknown), else the record of the producer gang whose worker it was (a gang
+        whose output this one took as an input). None: no death known."""
+        if actor_id is not None and actor_id in self.table:  # ours: that generation's death
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + wait_s
+            while actor_id not in self.death_by_actor and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+            return self.death_by_actor.get(actor_id) or self.last_death
+        if actor_id is None:
+            return await self.death(wait_s)
+        if ask_producers:
+            producers = self._router.producers if self._router is not None else {}
+            for handle in list(producers.values()):
+                try:
+                    err = await handle.death_of.remote(actor_id, wait_s, False)
+                except Exception:  # that producer's dispatcher is gone too
+                    continue
+                if err is not None:
+                    return err
+        return None
+
+    async def check_health(self, wait: bool = False) -> None:
+        """Raise WorkerDiedError if the gang is dead (Serve's health check calls this); ``wait``
+        first waits for an automatic rebuild under way."""
+        if wait and self._restart_task is not None and not self._restart_task.done():
+            await asyncio.shield(self._restart_task)
         if self.dead is not None:
             raise self.dead
         if not self.workers:
             raise RuntimeError(f"gang {self.spec.label} is not running")
 
     def proxy(self):
-        """A GangProxy for this gang, for callers that found it by name (GangProxy.lookup)."""
-        execute = "first" if len(self.spec.slots) == 1 else "all"
-        return GangProxy(self.spec.cls, self._own_gang(), execute, True, self.describe())
+        """A GangProxy for this gang, for callers that found it by name (GangProxy.lookup): the
+        same ``execute`` and ``lazy_collect`` as the proxy ``create_gang`` returned."""
+        return self.spec.proxy(None, self.describe(), gang=self._own_gang())
 
     def describe(self) -> dict:
         """The gang's topology: one row per rank."""
@@ -346,6 +501,11 @@ class Dispatcher:
             "generation": self.generation,
             "restarts": self.restarts,
             "dead": str(self.dead) if self.dead else None,
+            "rebuilding": self._restart_task is not None and not self._restart_task.done(),
+            "rebuild_error": self.rebuild_error,
+            "restart_policy": self.policy.describe(),
+            "dispatcher_node": (ray.get_runtime_context().get_node_id(),
+                                ray.util.get_node_ip_address()),
             "saved_state": self.saved is not None,
             "ranks": [
                 {
@@ -373,65 +533,56 @@ class Dispatcher:
         turn: tuple[str, int] | None = None,
         collect: str | None = None,
     ) -> CallOutput:
-        """Route and submit one call; return the output refs without waiting for them.
+        """Take the call's turn, check the gang, plan the call, submit it; return the output refs
+        without waiting for them.
 
         ``per_worker`` holds each worker's (args, kwargs) as the caller already
         split them (plain values and ObjectRefs); LazyResult arguments in it are
-        routed here. ``turn`` = (caller id, sequence number): Ray may start an
-        async actor's tasks out of order, so each caller's calls are taken
-        strictly in the order it made them, and every rank gets the calls of
-        all callers in the one order they are submitted here. ``wait_meta``
-        waits for the outputs' length records (iteration uses it to see
-        StopIteration). ``collect`` names the caller's collect mode (None:
-        unknown); outputs get a length record only when routing them may slice
-        by length (each record is one more ObjectRef the caller borrows).
+        routed by the :class:`~twinkle_ray.runtime.routing.Router`. ``turn`` =
+        (caller id, sequence number): Ray may start an async actor's tasks out
+        of order, so each caller's calls are taken strictly in the order it made
+        them, and every rank gets the calls of all callers in the one order they
+        are submitted here. ``wait_meta`` waits for the outputs' length records
+        (iteration uses it to see StopIteration). ``collect`` names the caller's
+        collect mode (None: unknown); outputs get a length record only when
+        routing them may slice by length (each record is one more ObjectRef the
+        caller borrows).
         """
-        async with self._turn(turn):
-            workers = await self._running_workers()
-            n = len(workers)
-            if execute == "first":
-                targets = [0]
-            elif execute == "peer" and caller is not None:
-                targets = peer_workers(caller[0], caller[1], n)
-            else:
-                targets = list(range(n))
-            routes: dict[int, list] = {}
-            lengths: list = []  # producers' length records: leading arguments of every task
-            refs, metas = [], []
-            with_meta = wait_meta or _needs_lengths(collect, len(targets))
-            self.seq += 1
-            if self.metrics is not None:
-                self.metrics.called(method)
-            submit = self._submitters(method, with_meta, workers)
-            for i in targets:
-                args, kwargs = per_worker[i] if len(per_worker) > 1 else per_worker[0]
-                lead = lengths
-                if _has_lazy(args, kwargs):
-                    args, kwargs = await self._route(method, args, kwargs, i, dispatch, routes, lengths)
-                    lead = lengths + _aligned_refs(len(lengths), args, kwargs)
-                head = (method, self.seq, len(lead))
-                if with_meta:
-                    payload, meta = submit[i].remote(head, *lead, *args, **kwargs)
-                    metas.append(meta)
-                else:
-                    payload = submit[i].remote(head, *lead, *args, **kwargs)
-                refs.append(payload)
-        ended = False
+        async with self._turn(turn):  # 1. order
+            workers = await self._running_workers()  # 2. health
+            plan = await self._routing().plan(  # 3. plan
+                method, per_worker, dispatch, execute, caller, len(workers),
+                wait_meta=wait_meta, collect=collect,
+            )
+            out = self._submit(plan, workers)  # 4. submit
         if wait_meta:
-            ended = any(m == END_OF_ITERATION for m in await asyncio.gather(*metas))
-        out = CallOutput(refs=refs, metas=metas, workers=targets, ended=ended)
-        if turn is not None:
-            self._recent[turn] = out
-            if len(self._recent) > RECENT_PLANS:
-                self._recent.popitem(last=False)
+            out.ended = any(m == END_OF_ITERATION for m in await asyncio.gather(*out.metas))
+        self._routing().remember(turn[:2] if turn else None, out)
         return out
+
+    def _submit(self, plan: CallPlan, workers: list) -> CallOutput:
+        """Send a planned call to its ranks as actor tasks (the task path); takes the next
+        number in the gang's one order. Returns at once with the output refs."""
+        self.seq += 1
+        if self.metrics is not None:
+            self.metrics.called(plan.method)
+        submit = self._submitters(plan.method, plan.with_meta, workers)
+        refs, metas = [], []
+        for i, msg in zip(plan.targets, plan.messages(self.seq), strict=True):
+            if plan.with_meta:
+                payload, meta = submit[i].remote(*msg.task_args(), **msg.kwargs)
+                metas.append(meta)
+            else:
+                payload = submit[i].remote(*msg.task_args(), **msg.kwargs)
+            refs.append(payload)
+        return CallOutput(refs=refs, metas=metas, workers=list(plan.targets))
 
     def _submitters(self, method: str, with_meta: bool, workers: list) -> list:
         """Each worker's bound task method for ``method`` (``run`` with two returns, or
         ``run_value``), named 'group/Class.method' for Ray's task list and timeline unless
         metrics are off. Made once per method and set of workers: nothing per call."""
         key = (method, with_meta)
-        hit = self._submit.get(key)
+        hit = self._bound.get(key)
         if hit is not None and hit[0] is workers:
             return hit[1]
         opts = {"name": f"{self.spec.label}.{method}"} if self.spec.metrics else {}
@@ -439,42 +590,62 @@ class Dispatcher:
             bound = [w.run.options(num_returns=2, **opts) for w in workers]
         else:
             bound = [w.run_value.options(**opts) if opts else w.run_value for w in workers]
-        self._submit[key] = (workers, bound)
+        self._bound[key] = (workers, bound)
         return bound
 
     def _own_gang(self) -> GangRef:
         """This gang's GangRef (for proxies; its callers send its own LazyResults without one)."""
         if self._gang_ref is None:
-            spec = self.spec
-            self._gang_ref = GangRef(spec.group.name, spec.cls_name,
-                                     ray.get_runtime_context().current_actor, spec.mesh,
-                                     spec.group.gpus_per_worker, len(spec.slots))
+            self._gang_ref = self.spec.gang_ref(ray.get_runtime_context().current_actor)
         return self._gang_ref
 
+    def _routing(self) -> Router:
+        if self._router is None:
+            self._router = Router(self.spec, self._own_gang())
+        return self._router
+
     @contextlib.asynccontextmanager
-    async def _turn(self, turn: tuple[str, int] | None):
+    async def _turn(self, turn: tuple | None):
         """Hold the caller's turn: wait until its previous call was submitted, and pass the
-        turn on when the body ends (whatever happened in it). None: no order to keep."""
+        turn on when the body ends (whatever happened in it). None: no order to keep.
+
+        ``turn`` is (caller id, number[, [previous call's ref]]): a previous call that Ray
+        failed before it reached this actor (its arguments could not be unpickled) never takes
+        its turn; its ref settles, and this call goes ahead at once instead of waiting for it.
+        """
         if turn is None:
             yield
             return
-        await self._wait_turn(*turn)
+        await self._wait_turn(turn[0], turn[1], turn[2] if len(turn) > 2 else None)
         try:
             yield
         finally:
             self._end_turn(turn[0])
 
-    async def _wait_turn(self, caller: str, seq: int) -> None:
+    async def _wait_turn(self, caller: str, seq: int, prev: list | None = None) -> None:
         if self._turns.get(caller, 0) >= seq:  # its turn already (the usual case): no wait
             return
         fut = self._turn_waiters[(caller, seq)] = asyncio.get_running_loop().create_future()
+        settled = asyncio.ensure_future(_quiet(prev[0])) if prev and prev[0] is not None else None
         try:
-            await asyncio.wait_for(fut, TURN_WAIT_S)
-        except asyncio.TimeoutError:
-            logger.warning("gang %s: call %d of caller %s waited %.0fs for its predecessor; "
-                           "going ahead", self.spec.label, seq, caller, TURN_WAIT_S)
+            done, _ = await asyncio.wait([t for t in (fut, settled) if t is not None],
+                                         timeout=TURN_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+            if fut in done:
+                return
+            if settled is not None and settled in done and self._turns.get(caller, 0) < seq:
+                # Settled without taking its turn here: it never arrived. Skip it.
+                logger.warning("gang %s: call %d of caller %s never reached the dispatcher (its "
+                               "arguments could not be unpickled?); call %d goes ahead",
+                               self.spec.label, seq - 1, caller, seq)
+                self._turns[caller] = seq
+                return
+            if not done:
+                logger.warning("gang %s: call %d of caller %s waited %.0fs for its predecessor; "
+                               "going ahead", self.spec.label, seq, caller, TURN_WAIT_S)
         finally:
             self._turn_waiters.pop((caller, seq), None)
+            if settled is not None:
+                settled.cancel()
 
     def _end_turn(self, caller: str) -> None:
         nxt = self._turns.get(caller, 0) + 1
@@ -482,110 +653,6 @@ class Dispatcher:
         fut = self._turn_waiters.get((caller, nxt))
         if fut is not None and not fut.done():
             fut.set_result(None)
-
-    async def _route(self, method, args, kwargs, i, dispatch, routes, lengths):
-        async def one(v):
-            if not isinstance(v, LazyResult):
-                return v
-            key = id(v)
-            if key not in routes:
-                routes[key] = await self._plan_route(method, v, dispatch, lengths)
-            return routes[key][i]
-
-        new_args = tuple([await one(a) for a in args])
-        new_kwargs = {k: await one(v) for k, v in kwargs.items()}
-        return new_args, new_kwargs
-
-    async def _plan_route(self, method: str, lazy: LazyResult, dispatch: Any, lengths: list) -> list:
-        """One routed marker per worker of this gang for the LazyResult ``lazy``.
-
-        Waits for nothing but the producer's plan (its dispatcher returns that at
-        once; this gang's own recent plans are at hand): when the consumer slices by length, the producer's length records
-        are appended to ``lengths`` (the tasks' leading arguments) and each worker
-        computes its own window from them.
-        """
-        out = lazy._out or self._recent.get(lazy._turn) or await lazy._plan_ref
-        n = len(self.workers)
-        mode = lazy.collect
-        producer = lazy.gang if lazy.gang is not None else self._own_gang()  # see _strip_own_gang
-        if mode not in ("flatten", "none", "first"):
-            whole = Collected(list(out.refs), mode, list(out.workers), producer.mesh,
-                              producer.gpus_per_worker, producer, lazy.method)
-            return [whole] * n
-        k = 1 if mode == "first" else len(out.refs)
-        refs, ranks = list(out.refs[:k]), list(out.workers[:k])
-        as_list = mode == "none" and k > 1
-        # Enough to name the producer on failure (its dispatcher is found by name then): keeps
-        # the markers small, since every worker task of the call carries one.
-        named = GangRef(producer.group, producer.cls_name, dispatcher=None)
-        common = dict(as_list=as_list, producer=named, method=lazy.method, ranks=ranks)
-        if dispatch not in ("slice", "slice_dp"):
-            return [Pieces(refs, **common)] * n
-        if as_list:
-            slots, const = None, [1] * k
-        else:
-            slots, const = (len(lengths), len(lengths) + k), None
-            lengths.extend(out.metas[:k])
-        g = self.spec.group
-        if dispatch == "slice_dp":
-            dp = self._data_ranks.get(n)
-            if dp is None:  # the mesh is fixed: computed once per gang size
-                dp = self._data_ranks[n] = worker_data_ranks(n, self.spec.mesh, g.gpus_per_worker)
-            parts, index = dp
-        else:
-            parts, index = n, list(range(n))
-        aligned = k == n == parts and not as_list  # output i is worker i's slice if lengths are even
-        where, source = f"{method}() on group '{g.name}'", f"{producer.cls_name}.{lazy.method}"
-        if aligned:  # the refs travel as one object, fetched only if lengths are uneven
-            held = ray.put(refs)
-            return [
-                Pieces(None, **common, length_slots=slots, const_lengths=const,
-                       window=Window(parts, index[i], where, source), aligned=i,
-                       refs_ref=held, n_refs=k, own=refs[i])
-                for i in range(n)
-            ]
-        return [
-            Pieces(refs, **common, length_slots=slots, const_lengths=const,
-                   window=Window(parts, index[i], where, source), aligned=i if aligned else None)
-            for i in range(n)
-        ]
-
-
-def _needs_lengths(collect: str | None, n_outputs: int) -> bool:
-    """Whether routing these outputs can slice them by length (see ``_plan_route``).
-
-    'flatten' and 'first' outputs are sliced by their lengths, and so is a
-    single 'none' output; several 'none' outputs route as a list of whole
-    items, and 'mean'/'sum'/'last_pp'/custom collects route whole.
-    """
-    if collect is None:  # unknown: keep the records
-        return True
-    if collect == "none":
-        return n_outputs == 1
-    return collect in ("flatten", "first")
-
-
-def _aligned_refs(start: int, args: tuple, kwargs: dict) -> list:
-    """The producer refs that routed markers in one worker's arguments take as leading
-    arguments (numbered from ``start``); sets each marker's slot."""
-    extra = []
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, Pieces) and v.aligned is not None:
-            if v.refs is None and v.own is None:  # the same value twice: its slot is set
-                continue
-            v.aligned_slot = start + len(extra)
-            if v.refs is None:  # moved, so it does not travel nested in the marker too
-                extra.append(v.own)
-                v.own = None
-            else:
-                extra.append(v.refs[v.aligned])
-    return extra
-
-
-def _has_lazy(args: tuple, kwargs: dict) -> bool:
-    return any(isinstance(a, LazyResult) for a in args) or any(
-        isinstance(v, LazyResult) for v in kwargs.values()
-    )
 
 
 async def _all_or_first_error(refs: list) -> list:
@@ -619,10 +686,23 @@ def _cause_text(e: BaseException) -> str:
     cause = getattr(e, "cause", None)
     if cause is not None:
         return f"{type(cause).__name__}: {cause}"
+    if isinstance(e, ray.exceptions.RayActorError):
+        return death_cause(e)
     text = str(e)
-    if "dead because" in text or "died" in text:
-        return describe_actor_death(text)[1]
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _alive_node_ids() -> set[str]:
+    """Ids of the nodes Ray reports alive (a GCS query: run it in a thread)."""
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def _placement_state(pg, index: list[int]) -> tuple[str, list[int]]:
+    """(the placement group's state, the bundles of ``index`` not placed on a live node)."""
+    table = ray.util.placement_group_table(pg)
+    alive = _alive_node_ids()
+    where = table.get("bundles_to_node_id") or {}
+    return table.get("state", "?"), [b for b in index if where.get(b) not in alive]
 
 
 RemoteDispatcher = ray.remote(Dispatcher)

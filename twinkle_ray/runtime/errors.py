@@ -14,6 +14,9 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
 
 class PlacementError(RuntimeError):
     """A DeviceGroup's placement group could not be reserved.
@@ -28,20 +31,66 @@ class WorkerDiedError(RuntimeError):
     """A worker of a gang died; the gang was torn down whole.
 
     Attributes name the first worker that died: ``group``, ``cls`` (the user's
-    class name), ``rank``, ``node`` (IP address) and ``cause`` (Ray's account of
-    the death). Call ``restart()`` on the gang to rebuild it.
+    class name), ``rank``, ``node`` (IP address), ``cause`` (what happened),
+    ``node_id`` (Ray's node id, when known) and ``kind``: ``'died'`` (the
+    process died), ``'node lost'`` (its node left the cluster),
+    ``'preempted'`` (its node was pre-empted / drained), ``'unreachable'`` (it
+    could not be reached for longer than an outage may last) or
+    ``'dispatcher'`` (the gang's dispatcher died; ``rank`` is None). Call
+    ``restart()`` on the gang to rebuild it.
+
+    >>> e = WorkerDiedError("g", "Model", 2, "10.0.0.2", "its node was lost", node_id="ab" * 28,
+    ...                     kind="node lost")
+    >>> str(e).split(":")[0]
+    "worker rank 2 of Model in group 'g' died (node 10.0.0.2, id abababab, node lost)"
     """
 
-    def __init__(self, group: str, cls: str, rank: int | None, node: str | None, cause: str):
+    def __init__(self, group: str, cls: str, rank: int | None, node: str | None, cause: str,
+                 node_id: str | None = None, kind: str = "died"):
         self.group, self.cls, self.rank, self.node, self.cause = group, cls, rank, node, cause
-        who = f"worker rank {rank}" if rank is not None else "a worker"
+        self.node_id, self.kind = node_id, kind
+        if kind == "dispatcher":
+            who = "the dispatcher"
+        else:
+            who = f"worker rank {rank}" if rank is not None else "a worker"
+        where = f"node {node or '?'}" + (f", id {node_id[:8]}" if node_id else "")
+        if kind not in ("died", "dispatcher"):
+            where += f", {kind}"
         super().__init__(
-            f"{who} of {cls} in group '{group}' died (node {node or '?'}): {cause}. "
+            f"{who} of {cls} in group '{group}' died ({where}): {cause.rstrip('.')}. "
             f"The gang was torn down; call .restart() on it to rebuild."
         )
 
     def __reduce__(self):
-        return (type(self), (self.group, self.cls, self.rank, self.node, self.cause))
+        return (type(self), (self.group, self.cls, self.rank, self.node, self.cause, self.node_id,
+                             self.kind))
+
+
+class GangRebuildError(WorkerDiedError):
+    """A gang died and its automatic rebuild failed: ``death`` is the death, ``reason`` why the
+    rebuild failed (e.g. a PlacementError naming the missing resources). It is a
+    :class:`WorkerDiedError`, so code that handles deaths handles it too.
+
+    >>> d = WorkerDiedError("g", "Model", 1, "10.0.0.2", "its node was lost", kind="node lost")
+    >>> e = GangRebuildError(d, "PlacementError: 2 x {CPU: 1} missing")
+    >>> "rebuild failed: PlacementError" in str(e), e.rank
+    (True, 1)
+    """
+
+    def __init__(self, death: WorkerDiedError, reason: str):
+        self.group, self.cls, self.rank, self.node = death.group, death.cls, death.rank, death.node
+        self.cause, self.node_id, self.kind = death.cause, death.node_id, death.kind
+        self.death, self.reason = death, reason
+        RuntimeError.__init__(
+            self,
+            f"gang of {death.cls} in group '{death.group}' is down: its automatic rebuild failed: "
+            f"{reason}. The rebuild followed this death: "
+            f"{str(death).split('. The gang was torn down')[0]}. "
+            f"Call .restart() on it to try again once the cause is fixed.",
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.death, self.reason))
 
 
 class GangStuckError(WorkerDiedError):
@@ -61,6 +110,7 @@ class GangStuckError(WorkerDiedError):
     def __init__(self, group: str, cls: str, rank: int | None, stuck: list[int], method: str,
                  cause: str, grace_s: float):
         self.group, self.cls, self.rank, self.node, self.cause = group, cls, rank, None, cause
+        self.node_id, self.kind = None, "stuck"
         self.stuck, self.method, self.grace_s = list(stuck), method, grace_s
         who = f"rank {rank}" if rank is not None else "a rank"
         RuntimeError.__init__(
@@ -89,49 +139,76 @@ class CallTimeoutError(TimeoutError):
         return (type(self), (self.args[0], self.ranks))
 
 
-def dead_worker(text: str) -> tuple[str, str, int, str, str | None] | None:
-    """(group, class, rank, gang label, namespace) of the gang worker named in the text of
-    Ray's ActorDiedError, or None if it names none.
+# What became of an actor of ours, from Ray's structured exception fields (never its text).
+DIED, NODE_LOST, PREEMPTED, OUTAGE = "died", "node lost", "preempted", "outage"
 
-    Worker actors are named ``label/rank`` with label ``group/Class`` (``Class-2``
-    for a second gang of the class on the group; ``#n`` follows the rank after
-    restarts). The label is also the gang dispatcher's actor name.
 
-    >>> dead_worker("The actor died...\\n\\tname: sampler/Sampler-2/3#1\\n\\tnamespace: rl")
-    ('sampler', 'Sampler', 3, 'sampler/Sampler-2', 'rl')
+@dataclass(frozen=True)
+class Death:
+    """One actor's failure, classified: ``kind`` is DIED, NODE_LOST, PREEMPTED or OUTAGE (a
+    temporary outage, not a death: Ray's ActorUnavailableError); ``rank`` and the node come from
+    the dispatcher's own table of its workers."""
+
+    kind: str
+    rank: int
+    actor_id: str
+    node_id: str | None
+    node_ip: str | None
+    cause: str
+
+
+def classify_death(exc: BaseException, table: Mapping[str, tuple[int, str | None, str | None]],
+                   alive_nodes: Collection[str] | None = None) -> Death | None:
+    """Classify a Ray actor error about one of our actors; None if it is not about one of them.
+
+    ``table`` maps actor id (hex) -> (rank, node id, node ip): the dispatcher's record of its
+    workers. ``alive_nodes`` (node ids Ray reports alive), when given, tells a lost node from a
+    dead process. Only structured fields are read: ``RayActorError.actor_id``, ``.preempted``
+    and the exception's type.
+
+    >>> from ray.exceptions import ActorUnavailableError, RayActorError
+    >>> table = {"a1": (0, "n1", "10.0.0.1"), "a2": (1, "n2", "10.0.0.2")}
+    >>> classify_death(RayActorError("a2", "gone"), table, alive_nodes={"n1"}).kind
+    'node lost'
+    >>> classify_death(RayActorError("a1", "gone", preempted=True), table).kind
+    'preempted'
+    >>> classify_death(ActorUnavailableError("socket closed", None), table) is None
+    True
+    >>> classify_death(RayActorError("zz", "gone"), table) is None
+    True
     """
-    name = namespace = None
-    for line in text.splitlines():
-        s = line.strip()
-        if s.startswith("name:"):
-            name = s[5:].strip()
-        elif s.startswith("namespace:"):
-            namespace = s[10:].strip()
-    parts = (name or "").split("/")
-    if len(parts) != 3 or not parts[2].split("#")[0].isdigit():
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    if not isinstance(exc, RayActorError):
         return None
-    group, label_cls, rank = parts
-    cls = label_cls.rsplit("-", 1)[0] if label_cls.rsplit("-", 1)[-1].isdigit() else label_cls
-    return group, cls, int(rank.split("#")[0]), f"{group}/{label_cls}", namespace
+    actor_id = exc.actor_id
+    if actor_id not in table:
+        return None
+    rank, node_id, node_ip = table[actor_id]
+    where = f"{node_ip or '?'} ({node_id[:8] if node_id else '?'})"
+    if isinstance(exc, ActorUnavailableError):
+        kind, cause = OUTAGE, "unreachable (ActorUnavailableError: a temporary outage or a lost node)"
+    elif exc.preempted:
+        kind, cause = PREEMPTED, f"its node {where} was pre-empted"
+    elif alive_nodes is not None and node_id is not None and node_id not in alive_nodes:
+        kind, cause = NODE_LOST, f"its node {where} left the cluster"
+    else:
+        kind, cause = DIED, death_cause(exc)
+    return Death(kind, rank, actor_id, node_id, node_ip, cause)
 
 
-def describe_actor_death(text: str) -> tuple[str | None, str]:
-    """(node ip, short cause) from the text of Ray's ActorDiedError.
+def death_cause(exc: BaseException) -> str:
+    """A short human account of an actor's death, for error messages only (never classified).
 
-    >>> describe_actor_death("The actor died...\\n\\tip: 10.0.0.2\\nThe actor is dead because "
-    ...                      "it was killed by `ray.kill`.")
-    ('10.0.0.2', 'The actor is dead because it was killed by `ray.kill`.')
+    >>> from ray.exceptions import RayActorError
+    >>> death_cause(RayActorError("a1", "The actor died...\\n\\tpid: 7\\nThe actor is dead because "
+    ...                              "it was killed by `ray.kill`."))
+    'The actor is dead because it was killed by `ray.kill`.'
     """
-    node = None
-    cause = ""
-    for line in text.splitlines():
-        s = line.strip()
-        if s.startswith("ip:"):
-            node = s[3:].strip()
-        elif not cause and ("dead because" in s or "killed" in s or "exit" in s.lower()):
-            cause = s
-    if not cause:
-        cause = next((s.strip() for s in text.splitlines() if s.strip()), "unknown cause")
+    text = str(exc)
+    lines = [s.strip() for s in text.splitlines() if s.strip()]
+    cause = next((s for s in lines if "dead because" in s or "killed" in s or "exit" in s.lower()),
+                 lines[0] if lines else f"{type(exc).__name__}")
     for marker in (" Some common causes include", " If the process was killed"):
         cause = cause.split(marker)[0]
-    return node, cause[:400]
+    return cause[:400]

@@ -12,13 +12,15 @@ Example::
 
 from __future__ import annotations
 
+import functools
+
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..core import defaults
-from .dispatcher import GangSpec, RemoteDispatcher
-from .lazy import GangRef
+from .dispatcher import RemoteDispatcher
 from .proxy import GangProxy, put_large, wait_with_progress
+from .spec import GangSpec
 
 
 def create_gang(
@@ -64,16 +66,12 @@ def create_gang(
         seed=runtime.seed,
         namespace=runtime.namespace,
         max_restarts=max_restarts,
+        placement_timeout_s=runtime.placement_timeout_s,
         stuck_grace_s=stuck_grace_s,
+        execute=execute,
+        lazy_collect=runtime.lazy_collect,
     )
-    here = ray.get_runtime_context().get_node_id()
-    dispatcher = RemoteDispatcher.options(
-        name=label,
-        namespace=runtime.namespace,
-        num_cpus=0,
-        max_concurrency=1000,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True),
-    ).remote(spec)
+    dispatcher = new_dispatcher(spec)
     try:
         desc = wait_with_progress(
             dispatcher.start.remote(), f"start-up of gang {label} ({len(slots)} worker(s))",
@@ -93,15 +91,38 @@ def create_gang(
                 f"working_dir/py_modules). Ray said: {str(e).splitlines()[0]}"
             ) from None
         raise
-    gang = GangRef(
-        group=group.name,
-        cls_name=cls.__name__,
-        dispatcher=dispatcher,
-        mesh=mesh,
-        gpus_per_worker=group.gpus_per_worker,
-        n_workers=len(slots),
-    )
-    proxy = GangProxy(cls, gang, execute, runtime.lazy_collect, desc)
+    proxy = spec.proxy(dispatcher, desc)
+    if max_restarts > 0:  # this proxy (the creator's) rebuilds a dead dispatcher and its gang
+        proxy._respawn = functools.partial(respawn, spec, runtime.start_timeout_s)
+        proxy._respawn_limit = max_restarts
     runtime.register(proxy, group.name,
                      [s.bundle_index for s, o in zip(slots, owns, strict=True) if o])
     return proxy
+
+
+def new_dispatcher(spec: GangSpec):
+    """A dispatcher actor for ``spec``, named by its label, near this process (soft)."""
+    here = ray.get_runtime_context().get_node_id()
+    return RemoteDispatcher.options(
+        name=spec.label,
+        namespace=spec.namespace,
+        num_cpus=0,
+        max_concurrency=1000,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True),
+    ).remote(spec)
+
+
+def respawn(spec: GangSpec, timeout_s: float | None, saved: list | None) -> tuple:
+    """Rebuild a gang whose dispatcher died: a new dispatcher under the same name, a fresh
+    gang, and each rank's ``saved`` state (files of ``save_state(path=...)``) restored.
+    Returns (the new dispatcher, its describe())."""
+    dispatcher = new_dispatcher(spec)
+    try:
+        if saved is not None:
+            ray.get(dispatcher.keep_saved.remote(saved), timeout=60)
+        desc = wait_with_progress(dispatcher.start.remote(),
+                                  f"rebuild of gang {spec.label} after its dispatcher died", timeout_s)
+    except BaseException:
+        ray.kill(dispatcher, no_restart=True)
+        raise
+    return dispatcher, desc

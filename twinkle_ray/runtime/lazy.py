@@ -21,17 +21,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import (
+    ActorUnavailableError,
+    GetTimeoutError,
+    ObjectLostError,
+    RayActorError,
+    RayError,
+    RaySystemError,
+    RayTaskError,
+)
 
 from ..core.dispatch import collect as collect_results
 from ..core.dispatch import collect_sources, concat, span, take
 from ..core.routing import locate
-from .errors import CallTimeoutError, WorkerDiedError, dead_worker, describe_actor_death
+from .errors import CallTimeoutError, WorkerDiedError, death_cause
 
 logger = logging.getLogger(__name__)
 
 END_OF_ITERATION = "twinkle_ray:end-of-iteration"
 DEATH_QUERY_TIMEOUT_S = 5.0
+# An unreachable worker: how long a caller waits for its dispatcher's verdict (the dispatcher's
+# OUTAGE_LIMIT_S, plus the time Ray takes to report a node dead).
+OUTAGE_WAIT_S = 40.0
 # After a failure, how long to look at the other ranks' outcomes before raising (a peer's death
 # outranks a user error it caused). Stuck ranks are the dispatcher's business (GangStuckError).
 ERROR_GRACE_S = 0.5
@@ -57,37 +68,38 @@ class GangRef:
     mesh: Any = field(default=None, repr=False)
     gpus_per_worker: int = 1
     n_workers: int = 1
+    dispatcher_node: tuple[str, str] | None = None  # (node id, ip) of the dispatcher, if known
+    dispatcher_lost: bool = False  # a call saw the dispatcher dead (its creator may rebuild it)
 
     def death_error(self, exc: BaseException, rank: int | None) -> WorkerDiedError:
-        """The WorkerDiedError for a dead worker: the dispatcher's record of the first death.
+        """The WorkerDiedError for a failed ref: the dispatcher's record of the first death.
 
-        A death of another gang's worker (a producer whose output this gang's
-        call took as an input, so Ray failed the call before it ran) is named as
-        that worker's, not this gang's.
+        The dispatcher classifies by ``exc.actor_id`` (Ray's structured field) against its own
+        table of workers; a death of another gang's worker (a producer whose output this gang's
+        call took as an input, so Ray failed the call before it ran) is named as that worker's,
+        not this gang's. An unreachable worker (ActorUnavailableError) is waited on until the
+        dispatcher tells an outage from a lost node. A dead dispatcher is named as such.
         """
-        text = str(exc)
-        other = dead_worker(text)
-        if other is not None and (other[:2] != (self.group, self.cls_name) or self.dispatcher is None):
-            group, cls, rank, label, namespace = other
-            try:  # its own dispatcher knows the first death of that gang
-                d = ray.get_actor(label, namespace=namespace)
-                err = ray.get(d.death.remote(), timeout=DEATH_QUERY_TIMEOUT_S)
-            except Exception:
-                err = None
-            if err is None:
-                err = WorkerDiedError(group, cls, rank, *describe_actor_death(text))
-            if other[:2] != (self.group, self.cls_name):
-                err.add_note(f"it produced an input of a call on {self.cls_name} in group "
-                             f"'{self.group}'")
-            return err
-        try:
-            death = ray.get(self.dispatcher.death.remote(), timeout=DEATH_QUERY_TIMEOUT_S)
-        except Exception:  # the dispatcher is gone too: describe what we saw
-            death = None
-        if death is not None:
-            return death
-        node, cause = describe_actor_death(str(exc))
-        return WorkerDiedError(self.group, self.cls_name, rank, node, cause)
+        wait = OUTAGE_WAIT_S if isinstance(exc, ActorUnavailableError) else 2.0
+        actor_id = getattr(exc, "actor_id", None)
+        if self.dispatcher is not None:
+            try:
+                death = ray.get(self.dispatcher.death_of.remote(actor_id, wait),
+                                timeout=wait + DEATH_QUERY_TIMEOUT_S)
+            except RayActorError as gone:  # the dispatcher itself died
+                self.dispatcher_lost = True
+                node_id, ip = self.dispatcher_node or (None, None)
+                return WorkerDiedError(self.group, self.cls_name, None, ip,
+                                       death_cause(gone),
+                                       node_id=node_id, kind="dispatcher")
+            except Exception:  # busy or unreachable: describe what we saw
+                death = None
+            if death is not None:
+                if (death.group, death.cls) != (self.group, self.cls_name):
+                    death.add_note(f"it produced an input of a call on {self.cls_name} in group "
+                                   f"'{self.group}'")
+                return death
+        return WorkerDiedError(self.group, self.cls_name, rank, None, death_cause(exc))
 
 
 @dataclass
@@ -251,7 +263,7 @@ def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: f
             )
     try:
         return ray.get(refs)
-    except (RayTaskError, RayActorError, GetTimeoutError):
+    except (RayTaskError, RayActorError, GetTimeoutError, ObjectLostError):
         pass
     # Something failed. Look at every rank (briefly): a dead worker explains its peers'
     # collective errors, so a death anywhere outranks a user exception.
@@ -262,10 +274,12 @@ def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: f
         if ref in done:
             try:
                 ray.get(ref)
-            except (RayActorError, RayTaskError) as e:
+            except (RayActorError, RayTaskError, ObjectLostError) as e:
                 failures.append((rank, e))
     for rank, e in failures:
-        if isinstance(e, RayActorError) or isinstance(getattr(e, "cause", None), RayActorError):
+        # An output whose owner (the dispatcher) or whose node died is lost with it: a death too.
+        if isinstance(e, RayActorError | ObjectLostError) or isinstance(getattr(e, "cause", None),
+                                                                         RayActorError):
             raise gang.death_error(e, rank) from None
     if failures:
         rank, e = failures[0]
@@ -322,12 +336,13 @@ class LazyResult:
     """
 
     __slots__ = ("_plan_ref", "_out", "_value", "_has_value", "collect", "gang", "method", "timeout",
-                 "_turn")
+                 "_turn", "_args")
 
     def __init__(self, plan_ref, *, collect, gang: GangRef, method: str, timeout: float | None = None,
                  out: CallOutput | None = None, turn: tuple[str, int] | None = None):
         self._plan_ref = plan_ref
         self._turn = turn  # (caller id, number) of the call: its dispatcher knows the plan by it
+        self._args: tuple | None = None  # the caller's (args, kwargs), kept by the proxy
         self._out = out
         self._value = None
         self._has_value = False
@@ -343,9 +358,14 @@ class LazyResult:
             try:
                 self._out = ray.get(self._plan_ref)
             except RayTaskError as e:
+                if isinstance(e, RaySystemError) or isinstance(e.cause, RaySystemError):
+                    # Ray failed the call before it ran: its arguments did not unpickle there
+                    raise _unloadable(self, e) from None
                 raise _user_error(e, self.gang, self.method, None) from None
             except RayActorError as e:
                 raise self.gang.death_error(e, None) from None
+            except RaySystemError as e:
+                raise _unloadable(self, e) from None
         return self._out
 
     @property
@@ -398,6 +418,27 @@ class LazyResult:
             _rebuild_lazy,
             (self._plan_ref, self.collect, self.gang, self.method, self.timeout, self._out, self._turn),
         )
+
+
+def _unloadable(result: LazyResult, error: BaseException) -> BaseException:
+    """The TypeError for a call whose arguments the dispatcher could not unpickle, naming the
+    argument when a round trip here fails too (else Ray's error, as it came)."""
+    import cloudpickle
+
+    where = f"{result.gang.cls_name}.{result.method}() on group '{result.gang.group}'"
+    args, kwargs = result._args or ((), {})
+    for name, v in [*((f"argument {i}", a) for i, a in enumerate(args)),
+                    *((f"argument '{k}'", v) for k, v in kwargs.items())]:
+        if isinstance(v, ray.ObjectRef | LazyResult):
+            continue
+        try:
+            cloudpickle.loads(cloudpickle.dumps(v))
+        except Exception as e:
+            return TypeError(f"{where}: {name} of type {type(v).__name__} cannot be unpickled "
+                             f"({type(e).__name__}: {e}); the call did not run")
+    first = str(error).strip().splitlines()
+    return TypeError(f"{where}: its arguments could not be unpickled in the gang's dispatcher "
+                     f"({first[-1][:300] if first else type(error).__name__}); the call did not run")
 
 
 def _rebuild_lazy(plan_ref, collect, gang, method, timeout, out, turn=None):

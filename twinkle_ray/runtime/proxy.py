@@ -31,6 +31,7 @@ import ray
 from ..core.dispatch import dispatch as split_args
 from ..core.functions import DEFAULT_FUNCTION, RemoteFunction
 from ..core.platform import Platform
+from .errors import WorkerDiedError
 from .lazy import GangRef, LazyResult, fetch
 
 logger = logging.getLogger(__name__)
@@ -180,7 +181,17 @@ class GangProxy:
         # Calls are numbered per proxy so the dispatcher takes them in the order made here.
         self._caller_id = uuid.uuid4().hex
         self._next_turn = 0
+        # The previous call's plan ref travels with each call (nested: Ray does not wait for it):
+        # a call Ray failed before it reached the dispatcher (its arguments could not be
+        # unpickled there) never takes its turn, and its failed ref tells the next call so.
+        self._prev: list | None = None
         self._turn_lock = threading.Lock()
+        # Set by create_gang on the creator's proxy when max_restarts > 0: rebuilds the gang
+        # after its dispatcher died (never pickled: only the creator can).
+        self._respawn = None
+        self._respawn_limit = 0
+        self._respawns = 0
+        self._saved_files: list | None = None  # files of the last save_state(path=...)
 
     # -- lookup --------------------------------------------------------------------------------
     @classmethod
@@ -214,6 +225,8 @@ class GangProxy:
     def _call(self, name: str, spec: RemoteFunction, args: tuple, kwargs: dict,
               wait_meta: bool = False) -> Any:
         self._check_open()
+        if self._gang.dispatcher_lost:
+            self._rebuild_dispatcher()
         g = self._gang
         if spec.execute == "first" or spec.dispatch == "all" or self._execute == "first":
             per_worker = [(args, kwargs)]
@@ -229,10 +242,11 @@ class GangProxy:
             with self._turn_lock:  # numbers follow submission order, also across threads
                 turn = (self._caller_id, self._next_turn)
                 plan = g.dispatcher.call.remote(
-                    name, per_worker, spec.dispatch, execute, caller, wait_meta, turn,
-                    spec.collect if isinstance(spec.collect, str) else "custom",
+                    name, per_worker, spec.dispatch, execute, caller, wait_meta,
+                    (*turn, self._prev), spec.collect if isinstance(spec.collect, str) else "custom",
                 )
                 self._next_turn += 1  # only a submitted call takes a turn
+                self._prev = [plan]
         except Exception as e:
             why = _unpicklable(args, kwargs)
             if why is None:
@@ -240,6 +254,7 @@ class GangProxy:
             raise TypeError(f"{g.cls_name}.{name}() on group '{g.group}': {why}") from e
         result = LazyResult(plan, collect=spec.collect, gang=g, method=name, timeout=spec.timeout,
                             turn=turn)
+        result._args = (args, kwargs)  # to name an argument the dispatcher could not unpickle
         lazy = self._lazy_default if spec.lazy_collect is None else spec.lazy_collect
         if spec.sync or not lazy:
             return result.get()
@@ -265,6 +280,9 @@ class GangProxy:
     def restart(self, timeout: float | None = None) -> None:
         """Tear the gang down and rebuild it with a fresh torch.distributed world."""
         self._check_open()
+        if self._gang.dispatcher_lost:
+            self._rebuild_dispatcher()
+            return
         self._desc = wait_with_progress(
             self._gang.dispatcher.restart.remote(), f"restart of gang {self._desc['label']}", timeout
         )
@@ -288,10 +306,41 @@ class GangProxy:
         self._check_open()
         g = self._gang
         with self._turn_lock:
-            turn = (self._caller_id, self._next_turn)
+            turn = (self._caller_id, self._next_turn, self._prev)
             ref = g.dispatcher.save_state.remote(path, turn)
             self._next_turn += 1
-        fetch([ref], [0], g, "save_state", timeout)
+            self._prev = [ref]
+        n = fetch([ref], [0], g, "save_state", timeout)[0]
+        # States saved in memory are owned by the dispatcher and die with it; files do not.
+        self._saved_files = None if path is None else [os.path.join(path, f"rank{r}.pt")
+                                                       for r in range(n)]
+
+    def _rebuild_dispatcher(self) -> None:
+        """The gang's dispatcher died: with ``max_restarts`` (and this proxy its creator's), a
+        new dispatcher under the same name rebuilds the gang and restores the last state saved
+        to files; else the dispatcher's death is raised again (today's error)."""
+        g = self._gang
+        with self._turn_lock:
+            if not g.dispatcher_lost:  # another thread rebuilt it
+                return
+            budget = self._respawn_limit
+            if self._respawn is None or self._respawns >= budget:
+                raise WorkerDiedError(g.group, g.cls_name, None, None,
+                                      "its dispatcher died and is not rebuilt "
+                                      f"({self._respawns} of max_restarts={budget} used)",
+                                      kind="dispatcher")
+            self._respawns += 1
+            logger.warning("gang %s: its dispatcher died; rebuilding it and the gang (%d of %d)",
+                           self._desc["label"], self._respawns, budget)
+            if self._saved_files is None:
+                logger.warning("gang %s: no state saved to files; the rebuilt gang starts from "
+                               "its constructor (in-memory saves die with the dispatcher)",
+                               self._desc["label"])
+            dispatcher, desc = self._respawn(self._saved_files)
+            g.dispatcher, g.dispatcher_node = dispatcher, desc.get("dispatcher_node")
+            g.dispatcher_lost = False
+            self._desc = desc
+            self._caller_id, self._next_turn, self._prev = uuid.uuid4().hex, 0, None
 
     def _abort(self, reason: str, ranks: list[int] | None = None) -> None:
         """Tear the gang down: ``ranks`` are stuck in a collective with another gang that failed
@@ -301,10 +350,18 @@ class GangProxy:
         except Exception:  # the dispatcher is gone: nothing left to tear down
             logger.debug("abort of gang %s failed", self._desc["label"], exc_info=True)
 
-    def check_health(self, timeout: float = 10.0) -> None:
-        """Raise WorkerDiedError if a worker of the gang died."""
+    def check_health(self, timeout: float = 10.0, wait: bool = False) -> None:
+        """Raise WorkerDiedError if a worker of the gang died. ``wait``: first wait for an
+        automatic rebuild under way (then raise only if the gang stays down)."""
         self._check_open()
-        fetch([self._gang.dispatcher.check_health.remote()], [0], self._gang, "check_health", timeout)
+        fetch([self._gang.dispatcher.check_health.remote(wait)], [0], self._gang, "check_health",
+              timeout)
+
+    def set_restart_policy(self, max_restarts: int, window_s: float | None = None) -> str:
+        """Rebuild the gang automatically at most ``max_restarts`` times within ``window_s``
+        seconds (None: ever), replacing the class's ``max_restarts``; returns the policy."""
+        self._check_open()
+        return ray.get(self._gang.dispatcher.set_restart_policy.remote(max_restarts, window_s))
 
     def topology(self) -> dict:
         """The gang's ranks, nodes and devices (as its dispatcher reports them)."""

@@ -2,9 +2,10 @@
 
 The user's class needs no ``@ray.remote``; the worker builds it after setting
 the gang's environment (devices, RANK, MASTER_ADDR, ...) and, when asked,
-initialising torch.distributed. Calls arrive through ``run``, which resolves
-routed LazyResult pieces (fetched from the producers' object stores) before
-calling the method.
+initialising torch.distributed. Calls arrive as one message format,
+:class:`~twinkle_ray.runtime.message.WorkerCall`, through ``run`` (the task
+form); routed LazyResult pieces are fetched from the producers' object stores
+before the method is called.
 
 Example (what the dispatcher does)::
 
@@ -32,6 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..core.dispatch import batch_len
 from .lazy import END_OF_ITERATION, resolve_routed
+from .message import WorkerCall
 from .metrics import GangMetrics, args_nbytes
 from .placement import resource_options
 
@@ -154,26 +156,27 @@ class GangWorker:
         return backend
 
     def run(self, call: str | tuple, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        """Call a method on the instance; return (result, meta).
+        """The task form of a call (see :mod:`~twinkle_ray.runtime.message`); returns
+        (result, meta).
 
-        ``call`` is the method name, or (name, sequence number, n) from the
-        dispatcher: the first n positional arguments are then the length
-        records of routed inputs (resolved by Ray before this task ran).
-        meta is the result's batch length (used to route it lazily), None when
-        it has none, or END_OF_ITERATION when ``__next__`` is exhausted. A
-        failure is reported to the dispatcher before it is raised, so the
-        dispatcher can tell whether peers are left stuck in a collective.
+        ``call`` is the method name, or the head (name, sequence number, n) of a
+        :class:`~twinkle_ray.runtime.message.WorkerCall`: the first n positional
+        arguments are then its leading values (resolved by Ray before this task
+        ran). meta is the result's batch length (used to route it lazily), None
+        when it has none, or END_OF_ITERATION when ``__next__`` is exhausted.
         """
-        if isinstance(call, tuple):
-            method, seq, n = call
-            lengths, args = args[:n], args[n:]
-        else:
-            method, seq, lengths = call, None, ()
+        return self._execute(WorkerCall.from_task(call, args, kwargs))
+
+    def _execute(self, call: WorkerCall) -> tuple[Any, Any]:
+        """Run one call on the instance; (result, meta). A failure is reported to the dispatcher
+        before it is raised, so the dispatcher can tell whether peers are left stuck in a
+        collective."""
+        method, seq = call.method, call.seq
         self.current = seq
         m, t0, nbytes, failed = self.metrics, None, 0, True
         try:
-            args = tuple(resolve_routed(a, lengths) for a in args)
-            kwargs = {k: resolve_routed(v, lengths) for k, v in kwargs.items()}
+            args = tuple(resolve_routed(a, call.lead) for a in call.args)
+            kwargs = {k: resolve_routed(v, call.lead) for k, v in call.kwargs.items()}
             if m is not None:
                 nbytes, t0 = args_nbytes(args, kwargs), time.perf_counter()
             result = getattr(self.instance, method)(*args, **kwargs)
@@ -218,6 +221,12 @@ class GangWorker:
     @ray.method(concurrency_group="control")
     def pid(self) -> int:
         return os.getpid()
+
+    @ray.method(concurrency_group="control")
+    def identity(self) -> tuple[str, str, str]:
+        """(this actor's id, its node's id, its node's IP): the dispatcher's table of its workers."""
+        ctx = ray.get_runtime_context()
+        return ctx.get_actor_id(), ctx.get_node_id(), ray.util.get_node_ip_address()
 
     def save_state(self, path: str | None = None) -> tuple[Any, bool]:
         """(the instance's ``state_dict()``, or the file it was saved to under ``path``; True)."""

@@ -1,0 +1,157 @@
+"""Node-loss scenarios on a ray.cluster_utils.Cluster of 3 nodes, one per run of this script.
+
+Run by tests/test_node_loss.py as its own Ray driver (a subprocess: the cluster is a Ray of its
+own, apart from the test session's). The head holds no gang resources; two worker nodes hold 2
+CPUs each, so a 4-worker gang has 2 ranks on each. Prints one ``RESULT {json}`` line.
+
+    python tests/node_loss_driver.py worker-node-lost   # rebuilt on a node added back
+    python tests/node_loss_driver.py no-capacity        # PlacementError, nothing reserved
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+import ray
+from ray.cluster_utils import Cluster
+
+import twinkle_ray as twinkle
+from twinkle_ray import DeviceGroup, WorkerDiedError, get_rank, remote_class, remote_function
+
+GROUP = "job/trainer"  # a '/' in the group name, as DeviceGroup allows
+
+
+class _Stateful:
+    def __init__(self):
+        self.value = 0
+
+    @remote_function(dispatch="all", collect="none")
+    def where(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    @remote_function(dispatch="all", collect="none")
+    def set_value(self, v: int) -> None:
+        self.value = v * 10 + get_rank()
+
+    @remote_function(dispatch="all", collect="none")
+    def get_value(self) -> int:
+        return self.value
+
+    @remote_function(dispatch="all", collect="first")
+    def allreduce(self) -> float:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([1.0])
+        dist.all_reduce(t)
+        return t.item()
+
+    @remote_function(dispatch="all", collect="none")
+    def sleep(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return get_rank()
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+@remote_class(max_restarts=2)
+class Healing(_Stateful):
+    pass
+
+
+def leftovers(namespace: str) -> dict:
+    """Our live named actors and placement groups in this cluster (no dashboard needed)."""
+    pgs = [pg["name"] for pg in ray.util.placement_group_table().values()
+           if pg["name"].startswith("twinkle/") and pg["state"] != "REMOVED"]
+    actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["namespace"] == namespace]
+    return {"pgs": pgs, "actors": actors}
+
+
+def main(scenario: str) -> dict:
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 0, "include_dashboard": False})
+    # The dispatcher (num_cpus=0) asks for the driver's node, softly: Ray places it elsewhere
+    # when that node has nothing free. With a spare CPU on the worker nodes and none on the head
+    # it lands on a worker node, which the dispatcher scenario removes.
+    cpus = 3 if scenario == "dispatcher-node-lost" else 2
+    nodes = [cluster.add_node(num_cpus=cpus), cluster.add_node(num_cpus=cpus)]
+    out: dict = {"scenario": scenario, "address": cluster.address}
+    ckpt = tempfile.mkdtemp(prefix="twinkle-node-loss-")
+    try:
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace="node-loss")
+        twinkle.initialize(address=cluster.address, namespace="node-loss",
+                           groups=[DeviceGroup(GROUP, 4, "cpu")],
+                           placement_timeout_s=15.0 if scenario == "no-capacity" else 120.0)
+        g = Healing(remote_group=GROUP)
+        where = g.where()()
+        desc = g.topology()
+        disp = desc["dispatcher_node"][0]
+        if scenario == "dispatcher-node-lost":
+            victim = next(n for n in nodes if n.node_id == disp)  # StopIteration: on the head
+        else:  # the worker node without the dispatcher (Ray may place it off the head node)
+            victim = next(n for n in reversed(nodes) if n.node_id != disp)
+        out["victim_ranks"] = [r for r, n in enumerate(where) if n == victim.node_id]
+        out["victim_bundles"] = sorted(desc["ranks"][r]["bundle"] for r in out["victim_ranks"])
+        out["victim"] = victim.node_id
+        g.set_value(1)()
+        g.save_state(path=ckpt)  # files: survive the node's object store
+        g.set_value(2)()  # lost by the rebuild
+        pending = g.sleep(120)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        cluster.remove_node(victim, allow_graceful=False)  # the raylet and its workers die
+        try:
+            pending.get()
+            out["error"] = None
+        except WorkerDiedError as e:
+            out["to_error_s"] = time.monotonic() - t0
+            out["error"] = str(e)
+            out["error_type"] = type(e).__name__
+            out["kind"], out["node_id"], out["rank"] = e.kind, e.node_id, e.rank
+        if scenario == "dispatcher-node-lost":
+            time.sleep(2.0)
+            out["left"] = leftovers("node-loss")
+        elif scenario == "worker-node-lost":
+            time.sleep(1.0)
+            t1 = time.monotonic()
+            nodes.append(cluster.add_node(num_cpus=2))  # capacity comes back
+            out["values"] = g.get_value()()  # waits for the rebuild and the restore
+            out["to_first_call_s"] = time.monotonic() - t0
+            out["add_to_first_call_s"] = time.monotonic() - t1
+            out["allreduce"] = g.allreduce()()
+            out["restarts"] = g.topology()["restarts"]
+            out["nodes_after"] = sorted(set(g.where()()))
+        else:
+            t1 = time.monotonic()
+            try:
+                g.get_value()()
+                out["next"] = None
+            except WorkerDiedError as e:
+                out["next"] = str(e)
+                out["next_type"] = type(e).__name__
+                out["to_next_error_s"] = time.monotonic() - t1
+            out["left"] = leftovers("node-loss")
+            out["available"] = ray.available_resources().get("CPU", 0.0)
+        twinkle.shutdown()
+        time.sleep(1.0)  # kills land
+        out["left_after_shutdown"] = leftovers("node-loss")
+    finally:
+        twinkle.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+    return out
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    print("RESULT " + json.dumps(main(sys.argv[1])), flush=True)

@@ -1,0 +1,299 @@
+"""Death classification, one restart policy, rebuild failures that say why, restart metrics.
+
+The classifier reads Ray's structured fields only (``RayActorError.actor_id``, ``.preempted``,
+ActorUnavailableError as an outage) against the dispatcher's table of its workers; a '/' in a
+group name is just a name. Rebuilds are bounded by the gang's RestartPolicy and counted in
+``twinkle_gang_restarts_total``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from test_metrics import _metrics_url, _wait_for
+
+from twinkle_ray import DeviceGroup, WorkerDiedError, get_rank, remote_class, remote_function
+from twinkle_ray.runtime.errors import (
+    DIED,
+    NODE_LOST,
+    OUTAGE,
+    PREEMPTED,
+    GangRebuildError,
+    classify_death,
+)
+from twinkle_ray.runtime.restarts import RestartPolicy
+
+LIMIT_S = 30.0
+TABLE = {"aa01": (0, "node-a", "10.0.0.1"), "bb02": (1, "node-b", "10.0.0.2")}
+
+
+# ---------------------------------------------------------------------------- the classifier
+def test_classifier_tells_death_preemption_node_loss_and_outage_apart():
+    died = classify_death(RayActorError("aa01", "The actor is dead because it was killed"), TABLE,
+                          alive_nodes={"node-a", "node-b"})
+    assert (died.kind, died.rank, died.node_id) == (DIED, 0, "node-a")
+    lost = classify_death(RayActorError("bb02", "whatever the text says"), TABLE,
+                          alive_nodes={"node-a"})
+    assert (lost.kind, lost.rank, lost.node_ip) == (NODE_LOST, 1, "10.0.0.2")
+    pre = classify_death(RayActorError("bb02", "x", preempted=True), TABLE, alive_nodes={"node-a"})
+    assert pre.kind == PREEMPTED and "pre-empted" in pre.cause
+    out = classify_death(ActorUnavailableError("Socket closed", bytes.fromhex("bb02" * 8)),
+                         {"bb02" * 8: (1, "node-b", "10.0.0.2")})
+    assert out.kind == OUTAGE and out.rank == 1  # an outage is not a death
+
+
+def test_classifier_ignores_actors_that_are_not_ours_and_never_reads_names():
+    # The text names a worker of ours; the actor id does not: not ours.
+    text = "The actor died...\n\tname: team/a/Model/1\n\tnamespace: x"
+    assert classify_death(RayActorError("ffff", text), TABLE) is None
+    assert classify_death(ActorDiedError(), TABLE) is None  # no actor id at all
+    assert classify_death(ValueError("aa01"), TABLE) is None
+
+
+def test_restart_policy_is_bounded_within_its_window():
+    p = RestartPolicy(max_restarts=1, window_s=5.0)
+    assert [p.allow(t) for t in (0.0, 1.0, 6.0, 6.5)] == [True, False, True, False]
+    assert RestartPolicy(2).describe() == "max_restarts=2"
+    with pytest.raises(ValueError, match="max_restarts must be >= 0"):
+        RestartPolicy(-1)
+
+
+def test_rebuild_error_keeps_the_death_and_says_why():
+    death = WorkerDiedError("team/a", "Model", 1, "10.0.0.2", "its node left", "ab" * 28, NODE_LOST)
+    e = GangRebuildError(death, "PlacementError: missing {CPU: 2}")
+    assert isinstance(e, WorkerDiedError) and (e.group, e.rank, e.kind) == ("team/a", 1, NODE_LOST)
+    assert "automatic rebuild failed: PlacementError: missing {CPU: 2}" in str(e)
+    assert "worker rank 1 of Model in group 'team/a' died (node 10.0.0.2, id abababab, node lost)" in str(e)
+    import pickle
+
+    again = pickle.loads(pickle.dumps(e))
+    assert str(again) == str(e) and again.death.node_id == "ab" * 28
+
+
+# ---------------------------------------------------------------------------- gangs
+@remote_class()
+class Plain:
+    def __init__(self, device_mesh=None):
+        pass
+
+    @remote_function(dispatch="all", collect="none")
+    def pid(self) -> int:
+        return os.getpid()
+
+    @remote_function(dispatch="all", collect="none")
+    def echo(self, x=None):
+        return x
+
+
+@remote_class(max_restarts=1)
+class FailsOnRebuild:
+    """Starts once; a rebuild's constructor raises when the marker file exists."""
+
+    def __init__(self, marker: str):
+        if os.path.exists(marker) and get_rank() == 1:
+            raise RuntimeError("cannot load weights on rank 1")
+
+    @remote_function(dispatch="all", collect="none")
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@remote_class(max_restarts=1)
+class OneRestart:
+    @remote_function(dispatch="all", collect="none")
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _kill_and_expect(g, rank: int) -> WorkerDiedError:
+    pids = g.pid()()
+    t0 = time.monotonic()
+    os.kill(pids[rank], signal.SIGKILL)
+    with pytest.raises(WorkerDiedError) as info:
+        deadline = t0 + LIMIT_S
+        while time.monotonic() < deadline:  # the next call raises once the death is seen
+            g.pid()()
+            time.sleep(0.1)
+    assert time.monotonic() - t0 < LIMIT_S
+    return info.value
+
+
+def test_a_slash_in_the_group_name_is_named_right(runtime):
+    runtime.initialize(groups=[DeviceGroup("team/a", 2, "cpu")])
+    g = Plain(remote_group="team/a")
+    err = _kill_and_expect(g, 1)
+    assert (err.group, err.cls, err.rank, err.kind) == ("team/a", "Plain", 1, DIED)
+    assert err.node_id and "worker rank 1 of Plain in group 'team/a' died" in str(err)
+    g.restart()
+    assert len(g.pid()()) == 2
+
+
+@pytest.mark.slow
+def test_failed_automatic_rebuild_says_why(runtime, tmp_path):
+    marker = str(tmp_path / "broken")
+    runtime.initialize(groups=[DeviceGroup("rb", 2, "cpu")])
+    g = FailsOnRebuild(marker, remote_group="rb")
+    open(marker, "w").close()  # the rebuild's constructor will raise on rank 1
+    t0 = time.monotonic()
+    _kill_and_expect(g, 0)
+    deadline = t0 + 120
+    while True:  # the rebuild runs; once it failed, calls say why
+        try:
+            g.pid()()
+        except GangRebuildError as e:
+            err = e
+            break
+        except WorkerDiedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+    assert "its automatic rebuild failed" in str(err) and "cannot load weights on rank 1" in str(err)
+    assert "worker rank 0 of FailsOnRebuild in group 'rb' died" in str(err)  # and the death
+    desc = g.topology()
+    assert "cannot load weights" in desc["rebuild_error"] and not desc["rebuilding"]
+    with pytest.raises(GangRebuildError):
+        g.check_health()
+    os.remove(marker)
+    g.restart()  # a manual restart once the cause is fixed
+    assert len(g.pid()()) == 2
+
+
+@pytest.mark.slow
+def test_restart_budget_is_bounded_logged_and_counted(runtime):
+    runtime.initialize(groups=[DeviceGroup("bud", 2, "cpu")])
+    g = OneRestart(remote_group="bud")
+    label = g.topology()["label"]
+    _kill_and_expect(g, 1)
+    deadline = time.monotonic() + 120
+    while True:  # rebuilt automatically (the one restart the policy allows)
+        try:
+            old = g.pid()()
+            break
+        except WorkerDiedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+    assert g.topology()["restarts"] == 1
+    err = _kill_and_expect(g, 0)
+    deadline = time.monotonic() + 30
+    while not isinstance(err, GangRebuildError) and time.monotonic() < deadline:
+        try:
+            g.pid()()
+        except WorkerDiedError as e:
+            err = e
+        time.sleep(0.2)
+    assert isinstance(err, GangRebuildError), err
+    assert "restart budget is spent (1 automatic rebuild(s); max_restarts=1)" in str(err)
+    assert g.topology()["restarts"] == 1 and old
+    got = _wait_for(_metrics_url(), {"ray_twinkle_gang_restarts_total": 1,
+                                     "ray_twinkle_gang_restarts_refused_total": 1}, gang=label)
+    assert got["ray_twinkle_gang_restarts_total"] == 1, got
+    assert got["ray_twinkle_gang_restarts_refused_total"] == 1, got
+
+
+# ---------------------------------------------------------------------------- turns
+class Unloadable:
+    """Pickles fine here; unpickling it (in the dispatcher) raises."""
+
+    def __getstate__(self):
+        return {"x": 1}
+
+    def __setstate__(self, state):
+        raise ValueError("Unloadable cannot be restored")
+
+
+def test_an_argument_the_dispatcher_cannot_unpickle_is_named_and_never_stalls_the_next(runtime):
+    runtime.initialize(groups=[DeviceGroup("up", 2, "cpu")])
+    g = Plain(remote_group="up")
+    assert len(g.pid()()) == 2
+    bad = g.echo(x=Unloadable())  # pickled here; unpickling it in the dispatcher raises
+    nxt = g.pid()  # made before anyone looked at the bad call
+    # Bounded: a stalled turn would wait 60 s (TURN_WAIT_S) and raise CallTimeoutError here.
+    assert len(nxt.get(timeout=30)) == 2
+    with pytest.raises(TypeError, match=r"Plain.echo\(\) on group 'up': argument 'x' of type "
+                                        r"Unloadable cannot be unpickled \(ValueError: Unloadable "
+                                        r"cannot be restored\); the call did not run"):
+        bad.get()
+    assert len(g.pid().get(timeout=30)) == 2  # and the calls after it
+
+
+# ---------------------------------------------------------------------------- the dispatcher
+class _Valued:
+    def __init__(self):
+        self.value = 0
+
+    @remote_function(dispatch="all", collect="none")
+    def set_value(self, v: int) -> None:
+        self.value = v * 10 + get_rank()
+
+    @remote_function(dispatch="all", collect="none")
+    def get_value(self) -> int:
+        return self.value
+
+    @remote_function(dispatch="all", collect="none")
+    def sleep(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return get_rank()
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+@remote_class(max_restarts=1)
+class Respawned(_Valued):
+    pass
+
+
+@remote_class()
+class Mortal(_Valued):
+    pass
+
+
+def _kill_dispatcher_mid_call(g) -> WorkerDiedError:
+    import ray
+
+    from conftest import NAMESPACE
+
+    pending = g.sleep(30)
+    time.sleep(0.5)
+    label = g.topology()["label"]
+    ray.kill(ray.get_actor(label, namespace=NAMESPACE), no_restart=True)
+    with pytest.raises(WorkerDiedError) as info:
+        pending.get(timeout=LIMIT_S)
+    return info.value
+
+
+@pytest.mark.slow
+def test_killed_dispatcher_is_rebuilt_under_its_name_with_the_saved_state(runtime, tmp_path):
+    runtime.initialize(groups=[DeviceGroup("dk", 2, "cpu")])
+    g = Respawned(remote_group="dk")
+    label = g.topology()["label"]
+    g.set_value(5)()
+    g.save_state(path=str(tmp_path))
+    g.set_value(6)()  # lost with the gang
+    t0 = time.monotonic()
+    err = _kill_dispatcher_mid_call(g)
+    to_error = time.monotonic() - t0
+    assert err.kind == "dispatcher" and err.rank is None
+    assert str(err).startswith("the dispatcher of Respawned in group 'dk' died (node ")
+    assert g.get_value()() == [50, 51]  # the next call: a new dispatcher, gang and restored state
+    print(f"\ndispatcher killed: error after {to_error:.1f}s (0.5 s of it before the kill); "
+          f"next call answered {time.monotonic() - t0:.1f}s after the call began")
+    assert g.topology()["label"] == label
+    err = _kill_dispatcher_mid_call(g)  # max_restarts=1: the second death is final
+    with pytest.raises(WorkerDiedError, match="its dispatcher died and is not rebuilt"):
+        g.get_value()()
+
+
+def test_killed_dispatcher_without_max_restarts_keeps_a_clear_error(runtime):
+    runtime.initialize(groups=[DeviceGroup("dm", 2, "cpu")])
+    g = Mortal(remote_group="dm")
+    err = _kill_dispatcher_mid_call(g)
+    assert err.kind == "dispatcher" and "the dispatcher of Mortal in group 'dm' died" in str(err)
+    with pytest.raises(WorkerDiedError, match="dispatcher of Mortal in group 'dm' died"):
+        g.get_value()()

@@ -1,0 +1,236 @@
+"""Call planning: which ranks run a call and what message each one gets.
+
+The dispatcher takes a call's turn and checks the gang's health; then the
+:class:`Router` turns the call into a :class:`CallPlan` (the ranks that run
+it and, per rank, the leading values and arguments of its
+:class:`~twinkle_ray.runtime.message.WorkerCall`), and the dispatcher submits
+the plan (as actor tasks, or as one Compiled Graph execution). Planning
+routes LazyResult arguments without waiting for their values: only for the
+producer's plan (refs), which its dispatcher returns at once, or which this
+gang keeps for its own recent calls.
+
+Example (what the dispatcher does)::
+
+    router = Router(spec, own_gang)
+    plan = await router.plan("forward", per_worker, "slice_dp", "all", None, 4, collect="flatten")
+    messages = plan.messages(seq)          # one WorkerCall per rank in plan.targets
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from ..core.dispatch import worker_data_ranks
+from ..core.routing import peer_workers
+from .lazy import CallOutput, Collected, GangRef, LazyResult, Pieces, Window
+from .message import WorkerCall
+
+# Plans of this many recent calls are kept, so routing one of them into a later call needs
+# no fetch of the plan from the caller (who owns it). They keep those outputs alive a while.
+RECENT_PLANS = 8
+
+
+@dataclass
+class CallPlan:
+    """One call, planned: the ranks that run it and each one's message (without its number)."""
+
+    method: str
+    targets: list[int]  # gang ranks that run the call, in order
+    lead: list[tuple]  # per target: leading values (length records, aligned producer outputs)
+    args: list[tuple]  # per target: positional arguments (routed markers in place of LazyResults)
+    kwargs: list[dict]  # per target: keyword arguments
+    with_meta: bool  # the outputs need a length record (see needs_lengths)
+
+    def messages(self, seq: int) -> list[WorkerCall]:
+        """Each target's WorkerCall for gang call number ``seq``."""
+        return [WorkerCall(self.method, seq, lead, args, kwargs)
+                for lead, args, kwargs in zip(self.lead, self.args, self.kwargs, strict=True)]
+
+
+def call_targets(execute: str, caller: tuple[int, int] | None, n: int) -> list[int]:
+    """The gang ranks that run a call with this ``execute`` mode.
+
+    >>> call_targets("first", None, 4), call_targets("all", None, 2), call_targets("peer", (1, 2), 4)
+    ([0], [0, 1], [2, 3])
+    """
+    if execute == "first":
+        return [0]
+    if execute == "peer" and caller is not None:
+        return peer_workers(caller[0], caller[1], n)
+    return list(range(n))
+
+
+def needs_lengths(collect: str | None, n_outputs: int) -> bool:
+    """Whether routing these outputs can slice them by length (see ``Router._route_one``).
+
+    'flatten' and 'first' outputs are sliced by their lengths, and so is a
+    single 'none' output; several 'none' outputs route as a list of whole
+    items, and 'mean'/'sum'/'last_pp'/custom collects route whole.
+
+    >>> needs_lengths("flatten", 4), needs_lengths("none", 4), needs_lengths("mean", 1)
+    (True, False, False)
+    """
+    if collect is None:  # unknown: keep the records
+        return True
+    if collect == "none":
+        return n_outputs == 1
+    return collect in ("flatten", "first")
+
+
+class Router:
+    """Plans one gang's calls; keeps the plans of its recent calls for chaining."""
+
+    def __init__(self, spec: Any, own: GangRef):
+        self.spec = spec
+        self.own = own  # this gang, as producer of its own inputs (see proxy._strip_own_gang)
+        self.recent: OrderedDict[tuple[str, int], CallOutput] = OrderedDict()  # turn -> output
+        self._data_ranks: dict[int, tuple[int, list[int]]] = {}  # gang size -> slice_dp layout
+        # dispatchers of the gangs whose outputs this gang took as inputs: a death of one of
+        # their workers can fail this gang's calls, and they know which of theirs it was
+        self.producers: dict[tuple[str, str], Any] = {}
+
+    def remember(self, turn: tuple[str, int] | None, out: CallOutput) -> None:
+        """Keep a call's output for routing it into later calls on this gang."""
+        if turn is None:
+            return
+        self.recent[turn] = out
+        if len(self.recent) > RECENT_PLANS:
+            self.recent.popitem(last=False)
+
+    async def plan(
+        self,
+        method: str,
+        per_worker: list[tuple[tuple, dict]],
+        dispatch: Any,
+        execute: str,
+        caller: tuple[int, int] | None,
+        n: int,
+        *,
+        wait_meta: bool = False,
+        collect: str | None = None,
+    ) -> CallPlan:
+        """Plan a call on a gang of ``n`` running workers (see the module docstring)."""
+        targets = call_targets(execute, caller, n)
+        routes: dict[int, list] = {}
+        lengths: list = []  # producers' length records: leading values of every message
+        leads, argss, kwargss = [], [], []
+        for i in targets:
+            args, kwargs = per_worker[i] if len(per_worker) > 1 else per_worker[0]
+            lead: tuple = ()  # the first target routes every LazyResult: its lengths are complete
+            if _has_lazy(args, kwargs):
+                args, kwargs = await self._route(method, args, kwargs, i, n, dispatch, routes, lengths)
+                extra, args, kwargs = _with_aligned_slots(len(lengths), args, kwargs)
+                lead = (*lengths, *extra)
+            leads.append(lead)
+            argss.append(args)
+            kwargss.append(kwargs)
+        return CallPlan(method, targets, leads, argss, kwargss,
+                        wait_meta or needs_lengths(collect, len(targets)))
+
+    async def _route(self, method, args, kwargs, i, n, dispatch, routes, lengths):
+        async def one(v):
+            if not isinstance(v, LazyResult):
+                return v
+            key = id(v)
+            if key not in routes:
+                routes[key] = await self._route_one(method, v, n, dispatch, lengths)
+            return routes[key][i]
+
+        new_args = tuple([await one(a) for a in args])
+        new_kwargs = {k: await one(v) for k, v in kwargs.items()}
+        return new_args, new_kwargs
+
+    async def _route_one(self, method: str, lazy: LazyResult, n: int, dispatch: Any,
+                         lengths: list) -> list:
+        """One routed marker per worker of this gang for the LazyResult ``lazy``.
+
+        Waits for nothing but the producer's plan (its dispatcher returns that
+        at once; this gang's own recent plans are at hand): when the consumer
+        slices by length, the producer's length records are appended to
+        ``lengths`` (the messages' leading values) and each worker computes its
+        own window from them.
+        """
+        out = lazy._out or self.recent.get(lazy._turn) or await lazy._plan_ref
+        mode = lazy.collect
+        producer = lazy.gang if lazy.gang is not None else self.own  # see proxy._strip_own_gang
+        if lazy.gang is not None and lazy.gang.dispatcher is not None:
+            self.producers[(lazy.gang.group, lazy.gang.cls_name)] = lazy.gang.dispatcher
+        if mode not in ("flatten", "none", "first"):
+            whole = Collected(list(out.refs), mode, list(out.workers), producer.mesh,
+                              producer.gpus_per_worker, producer, lazy.method)
+            return [whole] * n
+        k = 1 if mode == "first" else len(out.refs)
+        refs, ranks = list(out.refs[:k]), list(out.workers[:k])
+        as_list = mode == "none" and k > 1
+        # Enough to name the producer on failure (its dispatcher is found by name then): keeps
+        # the markers small, since every worker's message carries one.
+        named = GangRef(producer.group, producer.cls_name, dispatcher=None)
+        common = dict(as_list=as_list, producer=named, method=lazy.method, ranks=ranks)
+        if dispatch not in ("slice", "slice_dp"):
+            return [Pieces(refs, **common)] * n
+        if as_list:
+            slots, const = None, [1] * k
+        else:
+            slots, const = (len(lengths), len(lengths) + k), None
+            lengths.extend(out.metas[:k])
+        g = self.spec.group
+        if dispatch == "slice_dp":
+            dp = self._data_ranks.get(n)
+            if dp is None:  # the mesh is fixed: computed once per gang size
+                dp = self._data_ranks[n] = worker_data_ranks(n, self.spec.mesh, g.gpus_per_worker)
+            parts, index = dp
+        else:
+            parts, index = n, list(range(n))
+        aligned = k == n == parts and not as_list  # output i is worker i's slice if lengths are even
+        where, source = f"{method}() on group '{g.name}'", f"{producer.cls_name}.{lazy.method}"
+        if aligned:  # the refs travel as one object, fetched only if lengths are uneven
+            held = ray.put(refs)
+            return [
+                Pieces(None, **common, length_slots=slots, const_lengths=const,
+                       window=Window(parts, index[i], where, source), aligned=i,
+                       refs_ref=held, n_refs=k, own=refs[i])
+                for i in range(n)
+            ]
+        return [
+            Pieces(refs, **common, length_slots=slots, const_lengths=const,
+                   window=Window(parts, index[i], where, source))
+            for i in range(n)
+        ]
+
+
+def _with_aligned_slots(start: int, args: tuple, kwargs: dict) -> tuple[list, tuple, dict]:
+    """Move the aligned producer outputs of one worker's routed markers into its leading values.
+
+    Returns (the extra leading values, numbered from ``start``; the arguments with each such
+    marker replaced by a copy that knows its slot). The markers themselves are not changed.
+    """
+    extra: list = []
+    done: dict[int, Pieces] = {}
+
+    def conv(v: Any) -> Any:
+        if not isinstance(v, Pieces) or v.aligned is None:
+            return v
+        if id(v) in done:  # the same value twice: one leading value
+            return done[id(v)]
+        slot = start + len(extra)
+        if v.refs is None:  # moved, so it does not travel nested in the marker too
+            extra.append(v.own)
+            new = dataclasses.replace(v, aligned_slot=slot, own=None)
+        else:
+            extra.append(v.refs[v.aligned])
+            new = dataclasses.replace(v, aligned_slot=slot)
+        done[id(v)] = new
+        return new
+
+    return extra, tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()}
+
+
+def _has_lazy(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(a, LazyResult) for a in args) or any(
+        isinstance(v, LazyResult) for v in kwargs.values()
+    )

@@ -1,0 +1,70 @@
+"""GangSpec: what a dispatcher needs to build (and rebuild) its gang, and its handles.
+
+The one place where a gang's :class:`~twinkle_ray.runtime.lazy.GangRef` and
+its :class:`~twinkle_ray.runtime.proxy.GangProxy` are built: by
+``create_gang`` for the caller that made the gang, and by the dispatcher for
+callers that find it by name (``GangProxy.lookup``), so both behave the same
+(``execute`` and ``lazy_collect`` travel in the spec).
+
+Example::
+
+    spec = GangSpec(group=g, cls=Model, label="trainer/Model", args=(), kwargs={},
+                    slots=slots, owns=owns, pg=pg, execute="all", lazy_collect=True)
+    proxy = spec.proxy(dispatcher_handle, desc)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core import defaults
+from ..core.group import DeviceGroup
+from .lazy import GangRef
+from .metrics import metrics_enabled
+from .placement import BundleSlot
+from .proxy import GangProxy
+
+
+@dataclass
+class GangSpec:
+    """What a dispatcher needs to build (and rebuild) its gang."""
+
+    group: DeviceGroup
+    cls: type
+    label: str  # 'group/Class' (or 'group/Class-2'): prefix of every actor name
+    args: tuple
+    kwargs: dict
+    slots: list[BundleSlot]  # one per worker, in rank order
+    owns: list[bool]  # per worker: takes the bundle's devices (first gang on them)
+    pg: Any
+    mesh: Any = None
+    distributed: bool | None = None
+    dist_timeout_s: float = defaults.DIST_TIMEOUT_S
+    seed: int | None = defaults.SEED
+    namespace: str | None = None
+    max_restarts: int = 0
+    restart_window_s: float | None = None  # max_restarts within this many seconds (None: ever)
+    placement_timeout_s: float = defaults.PLACEMENT_TIMEOUT_S  # a rebuild waits this long for its bundles to be placed
+    stuck_grace_s: float | None = defaults.STUCK_GRACE_S  # None: never presume ranks stuck after a failure
+    env: dict[str, str] = field(default_factory=dict)
+    # metrics and 'group/Class.method' task names; TWINKLE_METRICS=0 where the gang is created: off
+    metrics: bool = field(default_factory=metrics_enabled)
+    execute: str = "all"  # the remote_class's execute ('first': a one-worker gang)
+    lazy_collect: bool = True  # the session's default: calls return LazyResults
+    # calls through a Compiled Graph (None: TWINKLE_COMPILED where the gang is created, default on)
+    compiled: bool | None = None
+
+    @property
+    def cls_name(self) -> str:
+        return self.cls.__name__
+
+    def gang_ref(self, dispatcher: Any, dispatcher_node: tuple[str, str] | None = None) -> GangRef:
+        """This gang's GangRef, with its dispatcher's handle (and node, to name it if it dies)."""
+        return GangRef(self.group.name, self.cls_name, dispatcher, self.mesh,
+                       self.group.gpus_per_worker, len(self.slots), dispatcher_node)
+
+    def proxy(self, dispatcher: Any, desc: dict, gang: GangRef | None = None) -> GangProxy:
+        """A GangProxy for this gang (``gang``: an already built GangRef of it)."""
+        gang = gang or self.gang_ref(dispatcher, desc.get("dispatcher_node"))
+        return GangProxy(self.cls, gang, self.execute, self.lazy_collect, desc)
