@@ -40,7 +40,7 @@ from ..core.routing import peer_workers
 from .errors import GangStuckError, WorkerDiedError, describe_actor_death
 from .lazy import END_OF_ITERATION, CallOutput, Collected, GangRef, LazyResult, Pieces, Window
 from .metrics import GangMetrics, metrics_enabled
-from .placement import BundleSlot
+from .placement import BundleSlot, refresh_slots
 from .proxy import GangProxy
 from .worker import WorkerInfo, make_worker
 
@@ -69,6 +69,7 @@ class GangSpec:
     mesh: Any = None
     distributed: bool | None = None
     dist_timeout_s: float = 120.0
+    placement_timeout_s: float = 60.0  # a rebuild waits this long for its bundles to be placed
     seed: int | None = 42
     namespace: str | None = None
     max_restarts: int = 0
@@ -94,6 +95,7 @@ class Dispatcher:
         self.dead: WorkerDiedError | None = None  # the current gang is dead
         self.last_death: WorkerDiedError | None = None  # kept across restarts for pending calls
         self.backend: str | None = None
+        self.master_addr: str | None = None  # the rendezvous host of the current build
         self.stopped = False
         self._turns: dict[str, int] = {}  # caller id -> sequence number of its next call
         # (caller id, number) -> future of a call that arrived before its predecessor ended:
@@ -116,9 +118,12 @@ class Dispatcher:
     async def start(self) -> dict:
         """Create the workers, join torch.distributed, build the user's instance."""
         spec, g = self.spec, self.spec.group
-        n = len(spec.slots)
         self.generation += 1
         gen = self.generation
+        # Every (re)build asks where the bundles are now: after a node loss Ray re-places them,
+        # and the nodes, devices and rendezvous address must follow (never the initialize() ones).
+        spec.slots = await refresh_slots(g, spec.pg, spec.slots, timeout_s=spec.placement_timeout_s)
+        n = len(spec.slots)
         node_rank: dict[str, int] = {}
         for s in spec.slots:
             node_rank.setdefault(s.node_id, len(node_rank))
@@ -143,12 +148,14 @@ class Dispatcher:
                     devices=s.devices,
                     visible_devices_env=g.visible_devices_env,
                     kind=g.kind,
+                    backend=g.backend,
                     env={**g.env, **spec.env},
                     dispatcher=me,
                     generation=gen,
                     metrics=spec.label if spec.metrics else None,
                 )
             )
+        self.master_addr = master_addr
         self.names = [info.name for info in infos]
         self.workers = [
             make_worker(
@@ -156,7 +163,7 @@ class Dispatcher:
                 spec.pg,
                 s.bundle_index,
                 resource_name=g.resource_name,
-                amount=g.gpus_per_worker if own else 0,
+                amount=g.gpus_per_worker if own and not s.assigned else 0,
                 cpus=g.cpus_per_worker if own else 0,
                 namespace=spec.namespace,
             )
@@ -346,6 +353,7 @@ class Dispatcher:
             "restarts": self.restarts,
             "dead": str(self.dead) if self.dead else None,
             "saved_state": self.saved is not None,
+            "master_addr": self.master_addr,
             "ranks": [
                 {
                     "rank": r,
