@@ -78,7 +78,8 @@ def test_topology_shows_the_assigned_devices(runtime):
     assert "devices as named" in lines[t]
     assert "GPU [4]" in lines[t + 1] and lines[t + 1].lstrip().startswith("rank 0")
     assert "GPU [5]" in lines[t + 2] and lines[t + 2].lstrip().startswith("rank 1")
-    assert "GPU [0]" in text  # the group Ray placed got the lowest free device
+    c = lines.index(next(x for x in lines if x.startswith("group 'c'")))
+    assert "GPU [4]" not in lines[c + 1] and "GPU [5]" not in lines[c + 1]
 
 
 def test_ids_beyond_the_node(runtime):
@@ -134,8 +135,33 @@ def test_refresh_slots_reprobes_a_stale_placement(runtime):
         if name == "c":  # Ray's devices: probed again
             fresh = asyncio.run(refresh_slots(g, pg, stale, timeout_s=30))
             assert sorted(fresh, key=lambda s: s.devices) == sorted(real, key=lambda s: s.devices)
-        else:  # named devices are kept, after a check that the node bundle holds them
-            with pytest.raises(PlacementError, match=r"not the named GPU \[99\]"):
+        else:  # named devices are tied to their node: a gone node is an error naming it
+            with pytest.raises(PlacementError, match=(
+                    r"group 't' names devices on node\(s\) 10.255.0.9, which are gone; named "
+                    r"devices do not move to another node")):
                 asyncio.run(refresh_slots(g, pg, stale, timeout_s=30))
-            moved = [BundleSlot(s.bundle_index, "0" * 56, "10.255.0.9", s.devices, True) for s in real]
-            assert asyncio.run(refresh_slots(g, pg, moved, timeout_s=30)) == real
+            assert asyncio.run(refresh_slots(g, pg, real, timeout_s=30)) == real
+
+
+def test_cli_topology_plan_and_on_ray(runtime, tmp_path, capsys):
+    """``twinkle-ray topology``: the plan shows the named ids, and on Ray what was assigned."""
+    import json
+
+    from twinkle_ray import cli
+
+    path = tmp_path / "groups.json"
+    path.write_text(json.dumps([{"name": "t", "ranks": [2, 3]},
+                                {"name": "v", "ranks": 1, "visible_devices": "5"},
+                                {"name": "c", "ranks": 2}]))
+    assert cli.main(["topology", str(path)]) == 0
+    plan = capsys.readouterr().out
+    assert "worker 1   GPU [3] (as named)" in plan and "worker 0   GPU [5] (as named)" in plan
+    assert "worker 1   GPU [1] (logical: Ray picks the devices)" in plan
+    address = ray.get_runtime_context().gcs_address
+    assert cli.main(["topology", str(path), "--address", address]) == 0
+    real = capsys.readouterr().out.splitlines()
+    v = real.index(next(x for x in real if x.startswith("group 'v'")))
+    assert "devices as named" in real[v] and "GPU [5]" in real[v + 1]
+    c = real.index(next(x for x in real if x.startswith("group 'c'")))
+    counted = [real[c + 1].split("GPU [")[1][0], real[c + 2].split("GPU [")[1][0]]
+    assert len(set(counted)) == 2 and not set(counted) & {"2", "3", "5"}

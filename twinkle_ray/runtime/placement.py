@@ -316,14 +316,22 @@ async def refresh_slots(
     Waits up to ``timeout_s`` for ``pg`` to be placed (Ray re-places the bundles of a
     lost node when capacity exists), then reads each bundle's node and address afresh. A
     bundle Ray placed itself that moved is probed for its new devices, and the ranks are
-    ordered again by (node, first device). A slot whose devices the runtime assigned keeps
-    them, after a check that its moved node bundle still holds them.
+    ordered again by (node, first device). Devices the group named stay with their node's
+    reservation, which is tied to that node.
 
     Raises PlacementError naming the group when the placement group is not placed in time,
-    or a moved node bundle no longer holds the devices the group names.
+    or the node of its named devices is gone.
     """
     import asyncio
 
+    alive = {n["NodeID"] for n in _alive_nodes()}
+    gone = sorted({s.node_ip for s in slots if s.assigned and s.node_id not in alive})
+    if gone:  # a node reservation is tied to its node (its devices were named there)
+        raise PlacementError(
+            f"group '{group.name}' names devices on node(s) {', '.join(gone)}, which are gone; "
+            f"named devices do not move to another node: declare the group again "
+            f"(shutdown() and initialize()) to place it on the nodes there are now"
+        )
     try:
         await asyncio.wait_for(pg.ready(), timeout_s)
     except asyncio.TimeoutError:
@@ -337,31 +345,19 @@ async def refresh_slots(
     where = table["bundles_to_node_id"]
     ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
     res = group.resource_name
-    moved = [s for s in slots if where[s.bundle_index] != s.node_id]
-    probed: dict[int, list[int]] = {}
+    # A bundle Ray placed that moved gets new devices; a node reservation never moves.
+    moved = sorted({s.bundle_index for s in slots
+                    if where[s.bundle_index] != s.node_id and not s.assigned})
+    probed: dict[int, tuple[int, ...]] = {}
     if moved and res:
-        amount = {s.bundle_index: (pg.bundle_specs[s.bundle_index].get(res, 0) if s.assigned
-                                   else group.gpus_per_worker) for s in moved}
-        bundles = sorted(amount)
-        got = await asyncio.wait_for(
-            asyncio.gather(*[bundle_probe(pg, b, res, amount[b]) for b in bundles]), timeout_s)
-        probed = {b: device_ids(p, res) for b, p in zip(bundles, got, strict=True)}
-    fresh = []
-    for s in slots:
-        node = where[s.bundle_index]
-        devices = s.devices
-        if s in moved and res:
-            if s.assigned:
-                lost = sorted(set(s.devices) - set(probed[s.bundle_index]))
-                if lost:
-                    raise PlacementError(
-                        f"group '{group.name}': its devices moved to node {ips.get(node, node)} "
-                        f"where the reservation holds {res} {probed[s.bundle_index]}, not the "
-                        f"named {res} {lost}"
-                    )
-            else:
-                devices = tuple(probed[s.bundle_index])
-        fresh.append(BundleSlot(s.bundle_index, node, ips.get(node, "?"), devices, s.assigned))
+        got = await asyncio.wait_for(asyncio.gather(
+            *[bundle_probe(pg, b, res, group.gpus_per_worker) for b in moved]), timeout_s)
+        probed = {b: tuple(device_ids(p, res)) for b, p in zip(moved, got, strict=True)}
+    fresh = [
+        BundleSlot(s.bundle_index, where[s.bundle_index], ips.get(where[s.bundle_index], "?"),
+                   probed.get(s.bundle_index, s.devices), s.assigned)
+        for s in slots
+    ]
     if any(s.assigned for s in fresh):
         return fresh  # the group's own order: worker i owns its i-th devices
     return rank_order(fresh)
