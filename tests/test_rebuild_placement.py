@@ -11,6 +11,7 @@ import pytest
 MOVE = textwrap.dedent(
     """
     import json, os, time
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")  # a loaded machine starts slowly
     import ray
     from ray.cluster_utils import Cluster
     import twinkle_ray as twinkle
