@@ -96,6 +96,8 @@ class Dispatcher:
         self.last_death: WorkerDiedError | None = None  # kept across restarts for pending calls
         self.backend: str | None = None
         self.master_addr: str | None = None  # the rendezvous host of the current build
+        # per bundle: this gang takes its devices (rank order may change when bundles move)
+        self._owns = {s.bundle_index: o for s, o in zip(spec.slots, spec.owns, strict=True)}
         self.stopped = False
         self._turns: dict[str, int] = {}  # caller id -> sequence number of its next call
         # (caller id, number) -> future of a call that arrived before its predecessor ended:
@@ -157,6 +159,7 @@ class Dispatcher:
             )
         self.master_addr = master_addr
         self.names = [info.name for info in infos]
+        owns = [self._owns[s.bundle_index] for s in spec.slots]
         self.workers = [
             make_worker(
                 info,
@@ -167,7 +170,7 @@ class Dispatcher:
                 cpus=g.cpus_per_worker if own else 0,
                 namespace=spec.namespace,
             )
-            for info, s, own in zip(infos, spec.slots, spec.owns, strict=True)
+            for info, s, own in zip(infos, spec.slots, owns, strict=True)
         ]
         distributed = spec.distributed if spec.distributed is not None else n > 1
         try:
