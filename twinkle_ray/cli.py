@@ -114,7 +114,7 @@ def plan_picture(groups: list[DeviceGroup]) -> str:
                 node = g.node_of_worker(i)
                 where = f"{g.resource_name} {g.worker_local_devices(i)}" + (
                     f" on node {node}" if node is not None else "") + (
-                    "" if g.explicit_ranks else " (logical: Ray picks the devices)")
+                    " (as named)" if g.pins_devices else " (logical: Ray picks the devices)")
             lines.append(f"  worker {i:<3} {where}")
     return "\n".join(lines)
 

@@ -89,8 +89,9 @@ class DeviceGroup:
             indices (rank ``r`` is device ``r % gpus_per_node`` on node ``r // gpus_per_node``).
             CPU groups take an ``int`` only: the number of worker processes.
         device_type: ``'cuda'`` / ``'gpu'``, ``'npu'`` or ``'cpu'``, any case.
-        visible_devices: optional comma-separated physical device ids the group may use
-            (e.g. ``"8,9"``), as in Twinkle.
+        visible_devices: optional comma-separated device ids the group may use (e.g. ``"8,9"``),
+            numbered like a ``ranks`` list; with an int ``ranks`` the group takes the first
+            ``ranks`` of them, with a list every rank must be one of them.
         gpus_per_worker: devices per worker process (a vLLM TP=2 engine is one worker with 2).
         cpus_per_worker: CPUs in each worker's bundle.
         strategy: Ray placement strategy: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD.
@@ -219,9 +220,15 @@ class DeviceGroup:
                 f'{where}: asks for {self.ranks} devices but visible_devices={self.visible_devices!r} '
                 f'lists only {len(ids)}'
             )
+        if isinstance(self.ranks, list):
+            outside = [r for r in self.ranks if r not in ids]
+            if outside:
+                raise ValueError(
+                    f'{where}: ranks {outside} are not among visible_devices={self.visible_devices!r}'
+                )
 
     def _check_worker_nodes(self, where: str) -> None:
-        if self.gpus_per_node is None or not isinstance(self.ranks, list):
+        if self.gpus_per_node is None or not self.pins_devices:
             return
         for i in range(self.num_workers):
             devices = self.worker_devices(i)
@@ -269,6 +276,20 @@ class DeviceGroup:
         return isinstance(self.ranks, list)
 
     @property
+    def pins_devices(self) -> bool:
+        """True when the group names its device ids (a ``ranks`` list or ``visible_devices``):
+        the runtime then reserves and assigns exactly those devices, instead of letting Ray pick.
+
+        Example::
+
+            >>> DeviceGroup('t', [2, 3]).pins_devices, DeviceGroup('v', 1, visible_devices='5').pins_devices
+            (True, True)
+            >>> DeviceGroup('c', 2).pins_devices
+            False
+        """
+        return not self.is_cpu and (self.explicit_ranks or self.visible_devices is not None)
+
+    @property
     def num_devices(self) -> int:
         """Number of accelerator devices (0 for CPU groups)."""
         if self.is_cpu:
@@ -284,10 +305,14 @@ class DeviceGroup:
 
     @property
     def device_ids(self) -> list[int]:
-        """``ranks`` as a list (``range(ranks)`` for an int; empty for CPU groups)."""
+        """``ranks`` as a list; for an int, the first ``ranks`` of ``visible_devices`` or else
+        ``range(ranks)`` (logical ids: Ray picks the devices); empty for CPU groups."""
         if self.is_cpu:
             return []
-        return list(self.ranks) if isinstance(self.ranks, list) else list(range(self.ranks))
+        if isinstance(self.ranks, list):
+            return list(self.ranks)
+        visible = self.visible_device_ids
+        return visible[:self.ranks] if visible is not None else list(range(self.ranks))
 
     @property
     def visible_device_ids(self) -> list[int] | None:
@@ -349,7 +374,7 @@ class DeviceGroup:
         return [r % self.gpus_per_node for r in devices]
 
     def node_of_worker(self, i: int) -> int | None:
-        """Node index of worker ``i`` for explicit ranks with ``gpus_per_node``; else ``None`` (Ray decides).
+        """Node index of worker ``i`` for named devices with ``gpus_per_node``; else ``None``.
 
         Example::
 
@@ -357,9 +382,29 @@ class DeviceGroup:
             1
         """
         self._check_worker(i)
-        if self.gpus_per_node is None or not self.explicit_ranks:
+        if self.gpus_per_node is None or not self.pins_devices:
             return None
         return self.worker_devices(i)[0] // self.gpus_per_node
+
+    def worker_placement(self, i: int, gpus_per_node: int) -> tuple[int, list[int]]:
+        """(node index, device ids on that node) of worker ``i`` of a group that names its
+        devices, with ``gpus_per_node`` devices per node (the group's own when it sets one):
+        device ``r`` is device ``r % gpus_per_node`` on node ``r // gpus_per_node``.
+
+        Example::
+
+            >>> DeviceGroup('t', [6, 7, 8, 9], gpus_per_worker=2).worker_placement(1, 8)
+            (1, [0, 1])
+        """
+        devices = self.worker_devices(i)
+        per_node = self.gpus_per_node or gpus_per_node
+        nodes = sorted({r // per_node for r in devices})
+        if len(nodes) > 1:
+            raise ValueError(
+                f"DeviceGroup '{self.name}': worker {i} would own devices {devices} on nodes {nodes} "
+                f'(gpus_per_node={per_node}); a worker\'s devices must be on one node'
+            )
+        return nodes[0], [r % per_node for r in devices]
 
 
 def check_groups(groups: Iterable[DeviceGroup]) -> dict[str, DeviceGroup]:
@@ -389,7 +434,7 @@ def check_groups(groups: Iterable[DeviceGroup]) -> dict[str, DeviceGroup]:
                 f'(groups: {", ".join(repr(n) for n in by_name)})'
             )
 
-    explicit = [g for g in by_name.values() if g.explicit_ranks and not g.is_cpu]
+    explicit = [g for g in by_name.values() if g.pins_devices]
     for i, a in enumerate(explicit):
         for b in explicit[i + 1:]:
             if a.kind != b.kind:

@@ -44,6 +44,7 @@ from .errors import (
 )
 from .lazy import END_OF_ITERATION, CallOutput, GangRef
 from .metrics import GangMetrics
+from .placement import refresh_slots
 from .restarts import RestartMetrics, RestartPolicy
 from .routing import CallPlan, Router
 from .spec import GangSpec
@@ -76,6 +77,9 @@ class Dispatcher:
         self.dead: WorkerDiedError | None = None  # the current gang is dead
         self.last_death: WorkerDiedError | None = None  # kept across restarts for pending calls
         self.backend: str | None = None
+        self.master_addr: str | None = None  # the rendezvous host of the current build
+        # per bundle: this gang takes its devices (rank order may change when bundles move)
+        self._owns = {s.bundle_index: o for s, o in zip(spec.slots, spec.owns, strict=True)}
         self.stopped = False
         self._turns: dict[str, int] = {}  # caller id -> sequence number of its next call
         # (caller id, number) -> future of a call that arrived before its predecessor ended:
@@ -106,9 +110,12 @@ class Dispatcher:
     async def start(self) -> dict:
         """Create the workers, join torch.distributed, build the user's instance."""
         spec, g = self.spec, self.spec.group
-        n = len(spec.slots)
         self.generation += 1
         gen = self.generation
+        # Every (re)build asks where the bundles are now: after a node loss Ray re-places them,
+        # and the nodes, devices and rendezvous address must follow (never the initialize() ones).
+        spec.slots = await refresh_slots(g, spec.pg, spec.slots, timeout_s=spec.placement_timeout_s)
+        n = len(spec.slots)
         node_rank: dict[str, int] = {}
         for s in spec.slots:
             node_rank.setdefault(s.node_id, len(node_rank))
@@ -133,24 +140,27 @@ class Dispatcher:
                     devices=s.devices,
                     visible_devices_env=g.visible_devices_env,
                     kind=g.kind,
+                    backend=g.backend,
                     env={**g.env, **spec.env},
                     dispatcher=me,
                     generation=gen,
                     metrics=spec.label if spec.metrics else None,
                 )
             )
+        self.master_addr = master_addr
         self.names = [info.name for info in infos]
+        owns = [self._owns[s.bundle_index] for s in spec.slots]
         self.workers = [
             make_worker(
                 info,
                 spec.pg,
                 s.bundle_index,
                 resource_name=g.resource_name,
-                amount=g.gpus_per_worker if own else 0,
+                amount=g.gpus_per_worker if own and not s.assigned else 0,
                 cpus=g.cpus_per_worker if own else 0,
                 namespace=spec.namespace,
             )
-            for info, s, own in zip(infos, spec.slots, spec.owns, strict=True)
+            for info, s, own in zip(infos, spec.slots, owns, strict=True)
         ]
         distributed = spec.distributed if spec.distributed is not None else n > 1
         try:
@@ -507,6 +517,7 @@ class Dispatcher:
             "dispatcher_node": (ray.get_runtime_context().get_node_id(),
                                 ray.util.get_node_ip_address()),
             "saved_state": self.saved is not None,
+            "master_addr": self.master_addr,
             "ranks": [
                 {
                     "rank": r,

@@ -59,12 +59,19 @@ def progress_after_s() -> float:
 
 @dataclass(frozen=True)
 class BundleSlot:
-    """Where one worker of a group runs: its bundle, node and devices."""
+    """Where one worker of a group runs: its bundle, node and devices.
+
+    ``assigned``: the runtime chose ``devices`` inside a node reservation (a group
+    that names its device ids); the worker then asks Ray for no devices of its own
+    and is pinned through the visible-devices variable. Otherwise Ray picked the
+    bundle's devices and ``devices`` is what it reported.
+    """
 
     bundle_index: int
     node_id: str
     node_ip: str
     devices: tuple[int, ...]
+    assigned: bool = False
 
 
 def _fmt(res: dict) -> str:
@@ -245,6 +252,20 @@ def _probe_bundle() -> tuple[str, dict]:
     return ctx.get_node_id(), ctx.get_accelerator_ids()
 
 
+def bundle_probe(pg: PlacementGroup, index: int, resource: str | None, amount: float):
+    """A task on bundle ``index`` of ``pg`` holding ``amount`` of ``resource``; its result is
+    (node id, the accelerator ids Ray gave it)."""
+    return _probe_bundle.options(
+        **resource_options(resource, amount, 0),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+    ).remote()
+
+
+def device_ids(probed: tuple[str, dict], resource: str) -> list[int]:
+    """The sorted device ids of ``resource`` in a :func:`bundle_probe` result."""
+    return sorted(int(d) for d in probed[1].get(resource, []))
+
+
 def probe_slots(
     group: DeviceGroup, pg: PlacementGroup, bundle_indices: Sequence[int] | None = None
 ) -> list[BundleSlot]:
@@ -266,26 +287,80 @@ def probe_slots(
     ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
     devices: list[tuple[int, ...]] = [()] * n
     if group.resource_name:
-        refs = [
-            _probe_bundle.options(
-                **resource_options(group.resource_name, group.gpus_per_worker, 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=index[i]
-                ),
-            ).remote()
-            for i in range(n)
-        ]
-        for i, (_, acc) in enumerate(ray.get(refs)):
-            devices[i] = tuple(sorted(int(d) for d in acc.get(group.resource_name, [])))
-    node_order: dict[str, int] = {}
-    for i in range(n):
-        node_order.setdefault(bundle_nodes[i], len(node_order))
+        refs = [bundle_probe(pg, index[i], group.resource_name, group.gpus_per_worker)
+                for i in range(n)]
+        for i, probed in enumerate(ray.get(refs)):
+            devices[i] = tuple(device_ids(probed, group.resource_name))
     slots = [
         BundleSlot(index[i], bundle_nodes[i], ips.get(bundle_nodes[i], "?"), devices[i])
         for i in range(n)
     ]
-    slots.sort(key=lambda s: (node_order[s.node_id], s.devices[:1] or (s.bundle_index,)))
-    return slots
+    return rank_order(slots)
+
+
+def rank_order(slots: list[BundleSlot]) -> list[BundleSlot]:
+    """Ray-placed slots in gang-rank order: (node, first device id); nodes numbered in order
+    of their first bundle, CPU slots keep bundle order within a node."""
+    node_order: dict[str, int] = {}
+    for s in sorted(slots, key=lambda s: s.bundle_index):
+        node_order.setdefault(s.node_id, len(node_order))
+    return sorted(slots, key=lambda s: (node_order[s.node_id], s.devices[:1] or (s.bundle_index,)))
+
+
+async def refresh_slots(
+    group: DeviceGroup, pg: PlacementGroup, slots: list[BundleSlot], *, timeout_s: float
+) -> list[BundleSlot]:
+    """Where ``slots`` are now: awaited by every (re)build of a gang, so that a rebuild after
+    a node loss starts on the node its bundles were moved to, with their new devices.
+
+    Waits up to ``timeout_s`` for ``pg`` to be placed (Ray re-places the bundles of a
+    lost node when capacity exists), then reads each bundle's node and address afresh. A
+    bundle Ray placed itself that moved is probed for its new devices, and the ranks are
+    ordered again by (node, first device). Devices the group named stay with their node's
+    reservation, which is tied to that node.
+
+    Raises PlacementError naming the group when the placement group is not placed in time,
+    or the node of its named devices is gone.
+    """
+    import asyncio
+
+    alive = {n["NodeID"] for n in _alive_nodes()}
+    gone = sorted({s.node_ip for s in slots if s.assigned and s.node_id not in alive})
+    if gone:  # a node reservation is tied to its node (its devices were named there)
+        raise PlacementError(
+            f"group '{group.name}' names devices on node(s) {', '.join(gone)}, which are gone; "
+            f"named devices do not move to another node: declare the group again "
+            f"(shutdown() and initialize()) to place it on the nodes there are now"
+        )
+    try:
+        await asyncio.wait_for(pg.ready(), timeout_s)
+    except asyncio.TimeoutError:
+        need = group.bundles()[0]
+        raise PlacementError(
+            f"group '{group.name}': its placement group is not placed again after {timeout_s:g}s "
+            f"({len(slots)} x {_fmt(need)} wanted; available now: "
+            f"{_fmt(ray.available_resources())})"
+        ) from None
+    table = placement_group_table(pg)
+    where = table["bundles_to_node_id"]
+    ips = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+    res = group.resource_name
+    # A bundle Ray placed that moved gets new devices; a node reservation never moves.
+    moved = sorted({s.bundle_index for s in slots
+                    if where[s.bundle_index] != s.node_id and not s.assigned})
+    probed: dict[int, tuple[int, ...]] = {}
+    if moved and res:
+        got = await asyncio.wait_for(asyncio.gather(
+            *[bundle_probe(pg, b, res, group.gpus_per_worker) for b in moved]), timeout_s)
+        probed = {b: tuple(device_ids(p, res)) for b, p in zip(moved, got, strict=True)}
+    fresh = [
+        BundleSlot(s.bundle_index, where[s.bundle_index], ips.get(where[s.bundle_index], "?"),
+                   probed.get(s.bundle_index, s.devices), s.assigned)
+        for s in slots
+    ]
+    if any(s.assigned for s in fresh):
+        return fresh  # the group's own order: worker i owns its i-th devices
+    return rank_order(fresh)
 
 
 def remove(pg: PlacementGroup) -> None:

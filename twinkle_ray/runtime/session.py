@@ -278,7 +278,8 @@ def _is_loopback(host: str) -> bool:
 
 
 def _reserve(rt: Runtime, groups: list[DeviceGroup]) -> None:
-    from .placement import probe_slots, reserve
+    from .pinned import held_devices, reserve_pinned
+    from .placement import check_feasible, probe_slots, remove, reserve
 
     if not groups:
         return
@@ -291,13 +292,32 @@ def _reserve(rt: Runtime, groups: list[DeviceGroup]) -> None:
                     f"group '{g.name}' colocates with '{g.colocate_with}' but their workers differ; "
                     f"colocated groups need the same number of workers and gpus_per_worker"
                 )
-    own = [g for g in groups if not (g.colocate_with and g.colocate_with in rt.pgs)]
-    pgs = reserve(own, timeout_s=rt.placement_timeout_s, name_prefix=f"twinkle/{rt.namespace}")
+    own = [g for g in groups if not g.colocate_with]
+    prefix = f"twinkle/{rt.namespace}"
+    # Groups that name their devices first (Ray would hand their ids to the others), all on
+    # one placement group holding exactly those devices (see pinned.py).
+    named = [g for g in own if g.pins_devices]
+    check_feasible(groups)
+    pool, slots = None, {}
+    if named:
+        pool, slots = reserve_pinned(named, held=held_devices(rt.slots, rt.groups),
+                                     timeout_s=rt.placement_timeout_s, name_prefix=prefix)
+    try:
+        pgs = reserve([g for g in own if g not in named], timeout_s=rt.placement_timeout_s,
+                      name_prefix=prefix)
+    except BaseException:
+        if pool is not None:
+            remove(pool)
+        raise
+    pgs.update({g.name: pool for g in named})
     for g in groups:
         rt.groups[g.name] = g
-        rt.pgs[g.name] = pgs.get(g.name) or rt.pgs[g.colocate_with]
     for g in groups:
-        if g.colocate_with:
+        key = g.name if g.name in pgs else g.colocate_with
+        rt.pgs[g.name] = pgs[key] if key in pgs else rt.pgs[key]
+    rt.slots.update(slots)
+    for g in groups:
+        if g.colocate_with or g.name in slots:
             continue
         rt.slots[g.name] = probe_slots(g, rt.pgs[g.name])
     for g in groups:
@@ -460,6 +480,8 @@ def get_device_placement(groups: Sequence[str | DeviceGroup] | None = None) -> s
         b = g.bundles()[0]
         bundle = "{" + ", ".join(f"{k}: {v:g}" for k, v in b.items()) + "}"
         extra = f", colocated with '{g.colocate_with}'" if g.colocate_with else ""
+        if g.pins_devices:
+            extra += ", devices as named (reserved per node)"
         lines.append(f"group '{name}': {g.num_workers} worker(s), {g.kind}, bundle {bundle}{extra}")
         for rank, s in enumerate(rt.slots.get(name, [])):
             dev = f"{g.resource_name} {list(s.devices)}" if g.resource_name else "cpu"

@@ -58,6 +58,7 @@ class WorkerInfo:
     devices: tuple[int, ...]
     visible_devices_env: str | None
     kind: str
+    backend: str = "gloo"  # the group's torch.distributed backend (DeviceGroup.backend)
     env: dict[str, str] = field(default_factory=dict)
     dispatcher: Any = field(default=None, repr=False)  # to report a failed call (stuck check)
     generation: int = 0
@@ -128,20 +129,12 @@ class GangWorker:
         import torch
         import torch.distributed as dist
 
-        backend = "gloo"
-        if self.info.kind == "gpu":
+        if self.info.backend == "nccl":
             for k, v in nccl_env(timeout_s).items():  # before any NCCL communicator exists
                 os.environ.setdefault(k, v)
-        if self.info.kind == "gpu" and torch.cuda.is_available():
-            backend = "nccl"
+        backend = usable_backend(self.info.backend)
+        if backend == "nccl":
             torch.cuda.set_device(0)
-        elif self.info.kind == "npu":
-            try:
-                import torch_npu  # noqa: F401
-
-                backend = "hccl"
-            except ImportError:
-                backend = "gloo"
         rendezvous: dict[str, Any] = {
             "init_method": f"tcp://{_url_host(self.info.master_addr)}:{os.environ['MASTER_PORT']}"}
         if _is_loopback(self.info.master_addr):  # one node: keep the store and gloo on loopback
@@ -272,6 +265,25 @@ class GangWorker:
                 dist.destroy_process_group()
         except Exception:  # best effort at teardown
             logger.debug("destroy_process_group failed", exc_info=True)
+
+
+def usable_backend(backend: str) -> str:
+    """The group's backend if this process can run it, else ``gloo``: ``nccl`` needs a
+    usable CUDA device (virtual GPUs have none), ``hccl`` needs ``torch_npu``.
+
+    >>> usable_backend("gloo")
+    'gloo'
+    """
+    if backend == "nccl":
+        import torch
+
+        return backend if torch.cuda.is_available() else "gloo"
+    if backend == "hccl":
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError:
+            return "gloo"
+    return backend
 
 
 def nccl_env(timeout_s: float) -> dict[str, str]:
