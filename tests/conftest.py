@@ -34,7 +34,10 @@ BOTH_PATHS = ("test_ordering", "test_failures", "test_recovery")
 
 
 def pytest_generate_tests(metafunc):
-    if "call_path" in metafunc.fixturenames and metafunc.module.__name__.rsplit(".", 1)[-1] in BOTH_PATHS:
+    # Only tests that call gangs through the module's fixtures: a test that shuts the session's
+    # runtime down itself (e.g. a gang that fails to start) runs once, on the default path.
+    uses_gangs = {"gang", "runtime"} & set(metafunc.fixturenames)
+    if uses_gangs and metafunc.module.__name__.rsplit(".", 1)[-1] in BOTH_PATHS:
         metafunc.parametrize("call_path", ["graph", "tasks"], indirect=True, scope="module")
 
 

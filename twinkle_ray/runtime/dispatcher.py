@@ -2,17 +2,33 @@
 
 It creates and owns the gang's workers (so they die with it), starts
 torch.distributed among them, and is the gang's sequencer: every caller's
-calls reach every rank in one order. It routes each call's LazyResult
-arguments without waiting for anything: consumer workers get the producers'
-length records as top-level task arguments (Ray resolves them before the
-task runs) and pull only the producer refs that cover their slice. It
-submits the worker tasks and returns their ObjectRefs at once.
+calls reach every rank in one order. A call is taken in four steps: its
+caller's **turn** (each caller's calls in the order it made them), the gang's
+**health** (a pending stuck check or rebuild first; a dead gang raises), the
+**plan** (:mod:`~twinkle_ray.runtime.routing`: target ranks and each one's
+:class:`~twinkle_ray.runtime.message.WorkerCall`, LazyResult arguments routed
+without waiting for their values) and the **submit**.
+
+Submit, the graph path (default): the dispatcher compiles one Ray Compiled
+Graph over its workers at start and after every rebuild
+(:mod:`~twinkle_ray.runtime.graph`), and a call is one execution of it. Its
+outputs: a result up to 64 KiB comes back by value; a larger one stays in its
+worker until the dispatcher submits that worker's ``take`` task, whose return
+is the output: a Ray object on the worker's node, owned by this actor, whose
+lifetime Ray's reference counting decides as for any task output (a ref
+passed through a graph channel registers no borrower, so a worker-side
+``ray.put`` would be freed under its consumers). ``save_state`` runs as actor
+tasks between executions. The task path (``TWINKLE_COMPILED=0``, or a graph
+that did not compile) submits one actor task per rank instead and returns the
+output refs at once.
 
 Failures: a watch task per worker tells it within milliseconds when one
-dies; a worker whose call raised reports it, and ranks of that call still
-running ``stuck_grace_s`` later are presumed stuck in a collective. Either
-way the gang is torn down whole (survivors are never trusted inside a
-collective), the first error is kept for callers, and the gang is rebuilt on
+dies; a worker whose call raised reports it (and, on the graph path, hands
+over its exception, which answers the call at once), and ranks of that call
+still running ``stuck_grace_s`` later are presumed stuck in a collective.
+Either way the gang is torn down whole (survivors are never trusted inside a
+collective; the graph goes with it, workers killed first, its teardown never
+awaited), the first error is kept for callers, and the gang is rebuilt on
 ``restart()`` or automatically up to ``max_restarts`` times, with the state
 last saved by ``save_state()`` restored on every rank before the next call.
 
