@@ -267,7 +267,8 @@ def resolve_routed(value: Any, lengths: tuple = ()) -> Any:
     return value
 
 
-def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: float | None):
+def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: float | None,
+          stated: float | None = None):
     """The values of a call's outputs (see CallOutput), with our error contract: timeouts name
     ranks, deaths raise WorkerDiedError, a user exception is re-raised as itself with the
     group/rank/method noted (once, naming the rank that raised)."""
@@ -278,7 +279,8 @@ def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: f
     pos = [k for k, r in enumerate(refs) if isinstance(r, ray.ObjectRef)]
     if not pos:
         return [r.value if isinstance(r, Inline) else r for r in refs]
-    got = _fetch_refs([refs[k] for k in pos], [workers[k] for k in pos], gang, method, timeout)
+    got = _fetch_refs([refs[k] for k in pos], [workers[k] for k in pos], gang, method, timeout,
+                      stated)
     values = [r.value if isinstance(r, Inline) else r for r in refs]
     for k, v in zip(pos, got, strict=True):
         values[k] = v
@@ -310,7 +312,8 @@ def _raised_error(item: Raised | None, gang: GangRef | None, method: str, rank: 
     return err
 
 
-def _fetch_refs(refs: list, workers: list[int], gang: GangRef, method: str, timeout: float | None):
+def _fetch_refs(refs: list, workers: list[int], gang: GangRef, method: str, timeout: float | None,
+                stated: float | None = None):
     if timeout is not None:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
         if len(ready) < len(refs):
@@ -318,7 +321,7 @@ def _fetch_refs(refs: list, workers: list[int], gang: GangRef, method: str, time
             late = [w for r, w in zip(refs, workers, strict=True) if r.hex() not in done]
             raise CallTimeoutError(
                 f"{gang.cls_name}.{method}() on group '{gang.group}': rank(s) {late} did not "
-                f"answer within {timeout:g}s",
+                f"answer within {stated if stated is not None else timeout:g}s",
                 late,
             )
     try:
@@ -421,25 +424,27 @@ class LazyResult:
                 self._out = ray.get(self._plan_ref, timeout=timeout)
             except GetTimeoutError:
                 late = self._late_ranks()
+                if late == []:  # no rank is running it (the task path, or it just ended): the
+                    return self.plan()  # plan itself is late (a busy dispatcher), not a rank
                 raise CallTimeoutError(
                     f"{self.gang.cls_name}.{self.method}() on group '{self.gang.group}': rank(s) "
-                    f"{late} did not answer within {timeout:g}s", late) from None
+                    f"{late or []} did not answer within {timeout:g}s", late or []) from None
             except RayTaskError as e:
                 raise _user_error(e, self.gang, self.method, None) from None
             except RayActorError as e:
                 raise self.gang.death_error(e, None) from None
         return self._out
 
-    def _late_ranks(self) -> list[int]:
-        """The ranks the dispatcher sees still running this call (all of them when unknown)."""
+    def _late_ranks(self) -> list[int] | None:
+        """The ranks the dispatcher sees still running this call ([]: none; None: unknown)."""
         d = self.gang.dispatcher
         if d is None or self._turn is None:
-            return []
+            return None
         try:
             return ray.get(d.late_ranks.remote(self._turn), timeout=DEATH_QUERY_TIMEOUT_S)
         except Exception:  # the dispatcher is busy or gone: say what we know
             logger.debug("late_ranks query failed", exc_info=True)
-            return []
+            return None
 
     @property
     def refs(self) -> list:
@@ -467,10 +472,9 @@ class LazyResult:
             t = timeout if timeout is not None else self.timeout
             start = time.monotonic()
             out = self.plan(t)
-            if t is not None:
-                t = max(0.0, t - (time.monotonic() - start))
+            left = None if t is None else max(0.0, t - (time.monotonic() - start))
             try:
-                values = fetch(out.refs, out.workers, self.gang, self.method, t)
+                values = fetch(out.refs, out.workers, self.gang, self.method, left, t)
             except Exception:
                 _read_quietly(out.metas)  # their copy of the error is handled too: no log noise
                 raise
