@@ -12,7 +12,8 @@ without waiting for their values) and the **submit**.
 Submit, the graph path (default): the dispatcher compiles one Ray Compiled
 Graph over its workers at start and after every rebuild
 (:mod:`~twinkle_ray.runtime.graph`), and a call is one execution of it. Its
-outputs: a result up to 64 KiB comes back by value; a larger one stays in its
+outputs: a result up to 64 KiB pickled comes back by value (as bytes this actor
+never unpickles); a larger one stays in its
 worker until the dispatcher submits that worker's ``take`` task, whose return
 is the output: a Ray object on the worker's node, owned by this actor, whose
 lifetime Ray's reference counting decides as for any task output (a ref

@@ -233,8 +233,10 @@ class GangWorker:
             raised = Raised(_picklable(e), self.info.rank, traceback.format_exc())
             self._tell_raised(call.seq, raised)
             return raised, None
-        if meta == END_OF_ITERATION or payload_nbytes(result) <= INLINE_MAX_BYTES:
-            return Inline(result), meta
+        if payload_nbytes(result) <= INLINE_MAX_BYTES:  # arrays, tensors, bytes: counted as is
+            inline = Inline.of(result)  # other objects: by their pickled size
+            if len(inline.data) <= INLINE_MAX_BYTES:
+                return inline, meta
         self._kept[call.seq] = result
         return Kept(call.seq), meta
 
