@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ALL = ("B1", "B2", "B3", "B4", "B5", "B6")
+ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7")
 RAY_CPUS = 48  # virtual CPUs: room for a 16-worker gang and its raw twin side by side
 
 
@@ -29,7 +29,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     p.add_argument("--json", action="store_true", help="print JSON on stdout, the table on stderr")
-    p.add_argument("--only", default=",".join(ALL), help="comma list of B1..B6 (B1-B3 run together)")
+    p.add_argument("--only", default=",".join(ALL), help="comma list of B1..B7 (B1-B3 run together)")
     p.add_argument("--repeats", type=int, default=None, help="override the repeat count of B1/B6")
     return p.parse_args(argv)
 
@@ -74,6 +74,8 @@ def run(argv: list[str] | None = None) -> dict:
             results.append(cases.bench_startup(cfg))
         if "B6" in only:
             results += cases.bench_scaling(cfg)
+        if "B7" in only:
+            results += cases.bench_first(cfg)
     finally:
         ray.shutdown()
     return {

@@ -10,6 +10,8 @@ working when modules move.
 
 It also turns the Sphinx roles some docstrings use (``:class:`~x.Y```) into inline
 code, which is how they read in the source; Markdown would show the role verbatim.
+And it fences doctest examples (runs of ``>>>`` lines and their output) as
+``pycon`` code: Markdown would read ``>>>`` as three nested block quotes.
 Not part of the package; used by ``mkdocs.yml`` only.
 """
 
@@ -27,6 +29,33 @@ _ROLE = re.compile(r":(?:class|func|meth|data|attr|mod|exc|obj):`(~?)([^`]+)`")
 def _role_to_code(match: re.Match) -> str:
     target = match.group(2)
     return f"`{target.rsplit('.', 1)[-1] if match.group(1) else target}`"
+
+
+def fence_doctests(text: str) -> str:
+    r"""Wrap every doctest run (a ``>>>`` line up to the next blank line) in a ``pycon`` fence.
+
+    >>> fence_doctests("Text:\n>>> 1 + 1\n2\n\nMore.").splitlines()
+    ['Text:', '', '```pycon', '>>> 1 + 1', '2', '```', '', 'More.']
+    """
+    lines, out, i, fenced = text.split("\n"), [], 0, False
+    while i < len(lines):
+        line = lines[i]
+        body = line.lstrip()
+        if body.startswith("```"):
+            fenced = not fenced
+        elif not fenced and body.startswith(">>>"):
+            indent = line[: len(line) - len(body)]
+            if out and out[-1].strip():
+                out.append("")  # a fence starts a block of its own
+            out.append(f"{indent}```pycon")
+            while i < len(lines) and lines[i].strip():
+                out.append(lines[i])
+                i += 1
+            out.append(f"{indent}```")
+            continue
+        out.append(line)
+        i += 1
+    return "\n".join(out)
 
 
 class LazyExports(griffe.Extension):
@@ -49,4 +78,4 @@ class LazyExports(griffe.Extension):
 
     def on_object(self, *, obj: griffe.Object, loader: griffe.GriffeLoader, **kwargs: Any) -> None:
         if obj.docstring is not None:
-            obj.docstring.value = _ROLE.sub(_role_to_code, obj.docstring.value)
+            obj.docstring.value = fence_doctests(_ROLE.sub(_role_to_code, obj.docstring.value))

@@ -4,7 +4,8 @@
 machine has 2 cores; virtual CPUs only let more actors be placed).
 ``runtime`` gives a test a fresh twinkle_ray runtime on that Ray and, after
 the test, shuts it down and checks that nothing of ours is left: no live
-actor in the test namespace and no placement group of ours.
+actor in the test namespace and no placement group of ours. ``call_path``
+runs the ordering, failure and recovery modules on both call paths.
 """
 
 from __future__ import annotations
@@ -26,6 +27,33 @@ NAMESPACE = "twinkle-tests"
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 NUM_GPUS = 8
 NUM_CPUS = 16
+
+
+# Modules whose tests run on both call paths (the Compiled Graph, and actor tasks with
+# TWINKLE_COMPILED=0); every other module runs on the default path, the graph.
+BOTH_PATHS = ("test_ordering", "test_failures", "test_recovery")
+
+
+def pytest_generate_tests(metafunc):
+    # Only tests that call gangs through the module's fixtures: a test that shuts the session's
+    # runtime down itself (e.g. a gang that fails to start) runs once, on the default path.
+    uses_gangs = {"gang", "runtime"} & set(metafunc.fixturenames)
+    if uses_gangs and metafunc.module.__name__.rsplit(".", 1)[-1] in BOTH_PATHS:
+        metafunc.parametrize("call_path", ["graph", "tasks"], indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def call_path(request):
+    """The call path gangs created in this module use ('graph' unless parametrized): set as
+    TWINKLE_COMPILED, which the driver reads when it creates a gang."""
+    path = getattr(request, "param", "graph")
+    old = os.environ.get("TWINKLE_COMPILED")
+    os.environ["TWINKLE_COMPILED"] = "0" if path == "tasks" else "1"
+    yield path
+    if old is None:
+        os.environ.pop("TWINKLE_COMPILED", None)
+    else:
+        os.environ["TWINKLE_COMPILED"] = old
 
 
 @pytest.fixture(scope="session")

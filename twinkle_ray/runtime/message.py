@@ -36,6 +36,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -63,3 +64,50 @@ class WorkerCall:
         return cls(method, seq, tuple(args[:n]), tuple(args[n:]), dict(kwargs))
 
 
+
+# -- replies through a Compiled Graph ----------------------------------------------------------
+# A rank answers a graph execution with (body, meta): meta is the result's batch length (as in the
+# task form's second return) and body one of the three types below. None: not a target of the call.
+
+
+@dataclass(frozen=True)
+class Inline:
+    """A small result, carried by value (through the graph's channel and in the CallOutput) as
+    its pickled bytes: only whoever reads ``value`` (the caller, or a consumer worker) unpickles
+    it, never the dispatcher in between.
+
+    >>> Inline.of([1, 2]).value
+    [1, 2]
+    """
+
+    data: bytes
+
+    @classmethod
+    def of(cls, value: Any) -> Inline:
+        import ray.cloudpickle
+
+        return cls(ray.cloudpickle.dumps(value))
+
+    @property
+    def value(self) -> Any:
+        import ray.cloudpickle
+
+        return ray.cloudpickle.loads(self.data)
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A large result the worker keeps under the call's number until the dispatcher's ``take``
+    task turns it into a Ray object (owned by the dispatcher, stored on the worker's node)."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class Raised:
+    """The user's exception on ``rank`` (with its remote traceback), or an error about the
+    whole call (``rank`` None: e.g. the gang died under it)."""
+
+    error: BaseException
+    rank: int | None
+    traceback: str = ""

@@ -18,6 +18,7 @@ Example (what the dispatcher does)::
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -88,14 +89,15 @@ class Router:
     def __init__(self, spec: Any, own: GangRef):
         self.spec = spec
         self.own = own  # this gang, as producer of its own inputs (see proxy._strip_own_gang)
-        self.recent: OrderedDict[tuple[str, int], CallOutput] = OrderedDict()  # turn -> output
+        # turn -> the call's output, or a future of it (a graph call still running)
+        self.recent: OrderedDict[tuple[str, int], CallOutput | asyncio.Future] = OrderedDict()
         self._data_ranks: dict[int, tuple[int, list[int]]] = {}  # gang size -> slice_dp layout
         # dispatchers of the gangs whose outputs this gang took as inputs: a death of one of
         # their workers can fail this gang's calls, and they know which of theirs it was
         self.producers: dict[tuple[str, str], Any] = {}
 
-    def remember(self, turn: tuple[str, int] | None, out: CallOutput) -> None:
-        """Keep a call's output for routing it into later calls on this gang."""
+    def remember(self, turn: tuple[str, int] | None, out: CallOutput | asyncio.Future) -> None:
+        """Keep a call's output (or the future of it) for routing it into later calls here."""
         if turn is None:
             return
         self.recent[turn] = out
@@ -155,7 +157,11 @@ class Router:
         ``lengths`` (the messages' leading values) and each worker computes its
         own window from them.
         """
-        out = lazy._out or self.recent.get(lazy._turn) or await lazy._plan_ref
+        out = lazy._out or self.recent.get(lazy._turn)
+        if isinstance(out, asyncio.Future):  # this gang's own call, still in its graph
+            out = await asyncio.shield(out)
+        elif out is None:
+            out = await lazy._plan_ref
         mode = lazy.collect
         producer = lazy.gang if lazy.gang is not None else self.own  # see proxy._strip_own_gang
         if lazy.gang is not None and lazy.gang.dispatcher is not None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..core import defaults
 from ..core.group import DeviceGroup
+from .graph import compiled_enabled
 from .lazy import GangRef
 from .metrics import metrics_enabled
 from .placement import BundleSlot
@@ -52,8 +53,8 @@ class GangSpec:
     metrics: bool = field(default_factory=metrics_enabled)
     execute: str = "all"  # the remote_class's execute ('first': a one-worker gang)
     lazy_collect: bool = True  # the session's default: calls return LazyResults
-    # calls through a Compiled Graph (None: TWINKLE_COMPILED where the gang is created, default on)
-    compiled: bool | None = None
+    # calls through a Compiled Graph; TWINKLE_COMPILED=0 where the gang is created: actor tasks
+    compiled: bool = field(default_factory=compiled_enabled)
 
     @property
     def cls_name(self) -> str:

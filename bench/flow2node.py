@@ -1,0 +1,143 @@
+"""F1: a dp=4 group on node A feeds a dp=2 group on node B, so objects really cross raylets.
+
+Runs on a ``ray.cluster_utils.Cluster`` of two raylets on this machine
+(node A: 4 CPUs, node B: 2 CPUs; the groups are STRICT_PACK, so the dp=4
+group takes node A and the dp=2 group node B). The same 256 MB flow runs
+through twinkle_ray (LazyResult routing; on the graph path and on the task
+path) and through raw Ray (producer refs passed straight to the consumer
+actors), in one rotation. Payload bytes are traced by unpickling (see
+:mod:`bench.payload`): ``bytes_to_consumers`` is what crossed from node A to
+node B (every consumer lives on B), and nothing may pass through the driver
+or a dispatcher.
+
+Usage::
+
+    python -m bench.flow2node            # 256 MB, 9 rounds
+    python -m bench.flow2node --quick    # 32 MB, 3 rounds
+    python -m bench.flow2node --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Build the cluster, time the flow on every side, tear it all down; return the row."""
+    p = argparse.ArgumentParser(prog="python -m bench.flow2node", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    mb, repeats = (32, 3) if args.quick else (256, 9)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    import twinkle_ray as twinkle
+    from bench import payload
+    from bench.cases import BenchWorker, _tasks_twin
+    from bench.raw import RawGang
+    from bench.timing import compare_many, ratios
+    from twinkle_ray import DeviceGroup, DeviceMesh
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 4, "resources": {"node_a": 8}, "include_dashboard": False})
+    cluster.add_node(num_cpus=2, resources={"node_b": 8})
+    trace_dir = tempfile.mkdtemp(prefix="twinkle-flow2-")
+    try:
+        ray.init(address=cluster.address, namespace="twinkle-bench", log_to_driver=False,
+                 logging_level="WARNING")
+        twinkle.initialize("ray", namespace="twinkle-bench", groups=[
+            DeviceGroup("fa", 4, "cpu", strategy="STRICT_PACK"),
+            DeviceGroup("fb", 2, "cpu", strategy="STRICT_PACK")])
+        prod = BenchWorker(device_mesh=DeviceMesh.from_sizes(dp_size=4), remote_group="fa")
+        cons = BenchWorker(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="fb")
+        prod_t, cons_t = _tasks_twin(4, "fa"), _tasks_twin(2, "fb")
+        nodes = {g: {r["node_id"] for r in x.topology()["ranks"]}
+                 for g, x in (("fa", prod), ("fb", cons))}
+        assert len(nodes["fa"]) == 1 and len(nodes["fb"]) == 1 and nodes["fa"] != nodes["fb"], nodes
+        pgs = [placement_group([{"node_a": 1}] * 4), placement_group([{"node_b": 1}] * 2)]
+        ray.get([pg.ready() for pg in pgs])
+        raw_p, raw_c = RawGang(4, cpus=0, pg=pgs[0]), RawGang(2, cpus=0, pg=pgs[1])
+        raw_p.start()
+        raw_c.start()
+        cols = 256
+        rows = mb * 1024 * 1024 // 4 // (cols * 4)
+        expected = [float(2 + 2 * rows)] * 2
+
+        def flow(p, c):
+            assert c.join(p.produce(rows, cols, trace_dir)).get() == expected
+
+        def raw():
+            refs = [a.produce.remote(rows, cols, trace_dir) for a in raw_p.actors]
+            got = ray.get([raw_c.actors[0].join.remote(refs[0], refs[1]),
+                           raw_c.actors[1].join.remote(refs[2], refs[3])])
+            assert got == expected
+
+        sides = {"graph": lambda: flow(prod, cons), "tasks": lambda: flow(prod_t, cons_t), "raw": raw}
+        driver = os.getpid()
+        dispatchers = {_pid(x) for x in (prod, cons, prod_t, cons_t)} - {None}
+        traffic = {}
+        for side, fn in sides.items():  # one traced run per side, on its own
+            payload.clear(trace_dir)
+            fn()
+            seen = payload.bytes_by_pid(trace_dir)
+            traffic[side] = {
+                "via_driver": seen.get(driver, 0),
+                "via_dispatchers": sum(seen.get(d, 0) for d in dispatchers),
+                "to_consumers": sum(v for q, v in seen.items() if q != driver and q not in dispatchers),
+            }
+        payload.clear(trace_dir)
+        samples = compare_many(sides, repeats=repeats, warmup=1)
+        row = {"name": f"F1 2-node flow dp=4 (node A) -> dp=2 (node B), {mb} MB", "unit": "s",
+               "payload_bytes_total": mb * 1024 * 1024, "traffic": traffic}
+        for side in ("graph", "tasks"):
+            ratio, paired = ratios(samples[side], samples["raw"])
+            row[f"{side}_s"], row[f"{side}_ratio"], row[f"{side}_paired_ratio"] = (
+                statistics.median(samples[side]), ratio, paired)
+        row["raw_s"] = statistics.median(samples["raw"])
+        raw_p.close()
+        raw_c.close()
+        for pg in pgs:
+            remove_placement_group(pg)
+        twinkle.shutdown()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        payload.clear(trace_dir)
+        os.rmdir(trace_dir)
+    text = (f"{row['name']}: graph {row['graph_s']:.2f} s ({row['graph_ratio']:.2f}x raw), tasks "
+            f"{row['tasks_s']:.2f} s ({row['tasks_ratio']:.2f}x raw), raw {row['raw_s']:.2f} s; "
+            f"bytes to node B {json.dumps({k: v['to_consumers'] for k, v in traffic.items()})}, "
+            f"via driver/dispatchers "
+            f"{json.dumps({k: v['via_driver'] + v['via_dispatchers'] for k, v in traffic.items()})}")
+    print(json.dumps(row) if args.json else text)
+    return row
+
+
+def _pid(proxy) -> int | None:
+    """The process id of a gang's dispatcher (found by its name)."""
+    import ray
+
+    try:
+        d = ray.get_actor(proxy.topology()["label"], namespace="twinkle-bench")
+        return ray.get(d.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    except Exception:
+        return None
+
+
+if __name__ == "__main__":
+    run()
