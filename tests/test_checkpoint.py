@@ -119,6 +119,8 @@ def test_keep_prunes_old_checkpoints_and_older_torn_ones(tmp_path):
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="keep must be >= 1"):
         CheckpointDir(str(tmp_path), keep=0)
+    with pytest.raises(ValueError, match="keep must be >= 1"):
+        CheckpointDir(str(tmp_path)).prune(0)
     with pytest.raises(ValueError, match="step must be >= 0"):
         CheckpointDir(str(tmp_path)).path(-1)
     with pytest.raises(TornCheckpointError, match="not a step directory"):

@@ -283,6 +283,10 @@ def test_platform_device_helpers(monkeypatch):
     assert Platform.get_platform("CUDA") is GPU and Platform.get_platform("npu") is NPU
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert GPU.get_local_device() == "cuda:3" and NPU.get_local_device(1) == "npu:1"
+    # a gang worker sees only its own devices: its first one is index 0 whatever its local rank
+    monkeypatch.setenv("TWINKLE_WORKER", "g/C/3")
+    monkeypatch.setenv("RANK", "3")
+    assert GPU.get_local_device() == "cuda:0"
     monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/npu-smi" if name == "npu-smi" else None)
     assert Platform.get_platform() is NPU and Platform.device_prefix() == "npu"
     monkeypatch.setattr("shutil.which", lambda name: None)

@@ -243,8 +243,11 @@ class CheckpointDir:
     def prune(self, keep: int) -> list[str]:
         """Remove all but the ``keep`` newest complete checkpoints; returns the removed paths.
 
-        Torn step directories older than the oldest kept one go too.
+        Torn step directories older than the oldest kept one go too. ``keep`` must be
+        at least 1 (the newest checkpoint is what a resume needs).
         """
+        if keep < 1:
+            raise ValueError(f"prune(keep={keep}): keep must be >= 1 (the newest checkpoint stays)")
         complete = self.complete()
         kept = {c.path for c in complete[-keep:]}
         oldest_kept = min((c.step for c in complete[-keep:]), default=None)

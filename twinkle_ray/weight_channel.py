@@ -21,15 +21,15 @@ receiver whose load fails still takes the whole sync (so the source never hangs)
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
-import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
+
+from .runtime.net import is_loopback, loopback_listener
 
 logger = logging.getLogger(__name__)
 
@@ -169,14 +169,12 @@ class WeightChannel:
         ip = host_ip or _node_ip()
         common = dict(world_size=world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
                       wait_for_workers=False)
-        if not _is_loopback_ip(ip):
+        if not is_loopback(ip):
             store = dist.TCPStore(ip, 0, **common)
             return cls(store, 0, world_size, timeout_s, (ip, int(store.port)))
         # A loopback-only node (the embedded default): torch's store would bind every interface
         # for the address it is given, so bind the port on loopback here and hand the socket over.
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind((ip, 0))
-        listener.listen(max(64, world_size))
+        listener = loopback_listener(ip, 0, world_size)
         port = listener.getsockname()[1]
         store = dist.TCPStore(ip, port, master_listen_fd=listener.fileno(), **common)
         listener.detach()  # the store owns the socket now
@@ -449,13 +447,6 @@ def load_into(targets: Any, items: list[tuple[str, Any]]) -> list[str]:
             else:
                 target.copy_(value)
     return problems
-
-
-def _is_loopback_ip(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name
-        return False
 
 
 def _node_ip() -> str:

@@ -2,9 +2,10 @@
 
 ``get_rank()`` and ``get_world_size()`` are the public names (``twinkle_ray.get_rank``);
 both delegate to :class:`~twinkle_ray.core.platform.Platform` at call time, the one place
-that reads the rank: ``torch.distributed`` when it is initialised, then the ``RANK`` /
-``WORLD_SIZE`` environment variables that every twinkle_ray worker receives, and a
-single-process world (rank 0 of 1) on a driver. Patching ``Platform.get_rank`` changes
+that reads the rank: inside a gang worker the ``RANK`` / ``WORLD_SIZE`` the runtime
+gave it (an engine in the worker may run a torch.distributed world of its own),
+elsewhere ``torch.distributed`` when it is initialised, then those environment
+variables, and a single-process world (rank 0 of 1) on a driver. Patching ``Platform.get_rank`` changes
 what these return too.
 
 This module never imports torch: it only looks at ``torch.distributed`` when

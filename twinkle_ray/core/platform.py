@@ -214,7 +214,11 @@ class Platform:
 
     @classmethod
     def get_local_device(cls, idx: int | None = None, *, platform: str | None = None) -> str:
-        """torch device string of local device ``idx`` (default: this process's local rank).
+        """torch device string of local device ``idx``.
+
+        Default: index 0 inside a twinkle_ray gang worker (it sees exactly its own
+        devices, so its first one is index 0), else this process's local rank (a
+        torchrun-style process that sees every device of its node).
 
         Example::
 
@@ -225,7 +229,7 @@ class Platform:
         if target.kind == "cpu":
             return "cpu"
         if idx is None:
-            idx = Platform.get_local_rank()
+            idx = 0 if _in_gang_worker() else Platform.get_local_rank()
         return f"{_DEVICE_PREFIX[target.kind]}:{max(int(idx), 0)}"
 
 

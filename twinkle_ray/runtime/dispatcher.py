@@ -52,6 +52,7 @@ import ray
 from .errors import (
     NODE_LOST,
     OUTAGE,
+    PREEMPTED,
     GangRebuildError,
     GangStuckError,
     PlacementError,
@@ -63,7 +64,7 @@ from .graph import GangGraph
 from .lazy import END_OF_ITERATION, CallOutput, GangRef
 from .message import Kept, Raised
 from .metrics import GangMetrics
-from .placement import refresh_slots
+from .placement import check_named_nodes, refresh_slots, remove
 from .restarts import RestartMetrics, RestartPolicy
 from .routing import CallPlan, Router
 from .spec import GangSpec
@@ -230,7 +231,10 @@ class Dispatcher:
             self.restart_metrics.restarted("manual")
         logger.warning("gang %s: restart() asked for; rebuilding it", self.spec.label)
         self.rebuild_error = None
-        return await self._kill_and_start()
+        # As a task of its own, like an automatic rebuild: calls (and a second restart) arriving
+        # meanwhile wait for it instead of finding the gang half built.
+        self._restart_task = asyncio.ensure_future(self._kill_and_start())
+        return await asyncio.shield(self._restart_task)
 
     async def stop(self) -> None:
         """Leave torch.distributed where possible, then kill every worker."""
@@ -260,12 +264,15 @@ class Dispatcher:
             loop = asyncio.get_running_loop()
             since = None
             while True:
+                asked = loop.time()
                 try:
                     await w.watch.remote()
                 except Exception as e:  # the actor died or is unreachable: watch() never returns
                     d = classify_death(e, self.table)
                     if d is None or d.kind != OUTAGE:
                         return rank, e
+                    if since is not None and loop.time() - asked > 2 * OUTAGE_POLL_S:
+                        since = None  # it answered for a while: the last outage had ended
                     # Unavailable is not dead: look again until Ray decides, or the node is gone.
                     if since is None:
                         since = loop.time()
@@ -322,7 +329,7 @@ class Dispatcher:
             else:
                 kind = "unreachable"
                 cause = f"unreachable for more than {OUTAGE_LIMIT_S:g}s (ActorUnavailableError)"
-        if kind in (NODE_LOST, "preempted") and d.node_id is not None:
+        if kind in (NODE_LOST, PREEMPTED) and d.node_id is not None:
             there = sorted(r for r, n, _ in self.where if n == d.node_id)
             cause += f"; rank(s) {there} of the gang ran there"
         return WorkerDiedError(g, cls, d.rank, d.node_ip, cause, node_id=d.node_id, kind=kind)
@@ -376,6 +383,7 @@ class Dispatcher:
         ``placement_timeout_s`` the placement group is removed (nothing stays reserved) and
         PlacementError names the bundles and resources missing."""
         spec, g = self.spec, self.spec.group
+        await asyncio.to_thread(check_named_nodes, g, spec.slots)
         index = sorted({s.bundle_index for s in spec.slots})
         loop = asyncio.get_running_loop()
         deadline = loop.time() + spec.placement_timeout_s
@@ -394,15 +402,18 @@ class Dispatcher:
                 have = await asyncio.to_thread(ray.available_resources)
                 fmt = ", ".join(f"{k}: {v:g}" for k, v in sorted(need.items()))
                 avail = ", ".join(f"{k}: {have.get(k, 0.0):g}" for k in sorted(need))
-                from .placement import remove
-
-                await asyncio.to_thread(remove, spec.pg)
+                if spec.owns_pg:
+                    await asyncio.to_thread(remove, spec.pg)
+                    left = ("The group's placement group was removed, so nothing stays reserved; "
+                            "add capacity and create the gang again")
+                else:  # shared with other groups, or adopted (Serve's): not this gang's to remove
+                    left = ("The placement group is shared with other groups or owned by its "
+                            "creator, so it stays; add capacity and restart() the gang")
                 raise PlacementError(
                     f"gang {spec.label} cannot be rebuilt: bundle(s) {missing} of group '{g.name}' "
                     f"found no node within placement_timeout_s={spec.placement_timeout_s:g}s "
                     f"(their node left the cluster): missing {{{fmt}}}, available {{{avail}}}. "
-                    f"The group's placement group was removed, so nothing stays reserved; add "
-                    f"capacity and create the gang again")
+                    + left)
             await asyncio.sleep(PLACEMENT_POLL_S)
 
     async def report_failure(self, gen: int, seq: int, rank: int, method: str, cause: str) -> None:
@@ -676,13 +687,17 @@ class Dispatcher:
             inputs: list = [None] * graph.n
             for i, msg in zip(plan.targets, plan.messages(seq), strict=True):
                 inputs[i] = msg
+            # Registered before the execution starts: a rank may raise (rank_raised) while
+            # later ranks' inputs are still being written. Keyed by (caller, number), as
+            # LazyResult asks for it (late_ranks).
+            answer = asyncio.get_running_loop().create_future()
+            self._pending[seq] = (turn[:2] if turn else None, list(plan.targets), answer)
             try:
                 done = await graph.start(inputs)
             except Exception as e:
+                self._pending.pop(seq, None)
                 raise self.dead or RuntimeError(f"gang {self.spec.label}: its compiled graph "
                                                 f"failed: {e}") from None
-        answer = asyncio.get_running_loop().create_future()
-        self._pending[seq] = (turn, list(plan.targets), answer)
         asyncio.ensure_future(self._answer(done, seq, plan, workers, answer))
         return answer
 

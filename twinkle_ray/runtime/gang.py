@@ -60,6 +60,8 @@ def create_gang(
         slots=slots,
         owns=owns,
         pg=runtime.pgs[group.name],
+        owns_pg=(group.name not in runtime.adopted
+                 and sum(p is runtime.pgs[group.name] for p in runtime.pgs.values()) == 1),
         mesh=mesh,
         distributed=distributed,
         dist_timeout_s=runtime.dist_timeout_s,

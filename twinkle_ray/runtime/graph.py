@@ -22,8 +22,10 @@ the graph's own teardown runs on a helper thread.
 Example (what the dispatcher does)::
 
     graph = GangGraph.compile(workers)
-    async with graph.slot() as run:
-        outputs = await run([msg0, msg1, None, msg3])   # one entry per rank
+    async with graph.order():                    # one execution at a time takes its slot
+        done = await graph.start([msg0, msg1, None, msg3])   # one entry per rank
+    outputs = await done                         # per rank: (body, meta)
+    graph.teardown()
 """
 
 from __future__ import annotations
@@ -58,7 +60,13 @@ class GangGraph:
 
         with InputNode() as inp:
             dag = MultiOutputNode([w.graph_entry.bind(inp[i]) for i, w in enumerate(workers)])
-        compiled = dag.experimental_compile(enable_asyncio=True, _max_inflight_executions=limit + 1)
+        # Ray's own capacity (DAGContext.max_inflight_executions, 10 unless
+        # RAY_CGRAPH_max_inflight_executions says otherwise) stays above ``limit``: the dispatcher
+        # queues what is beyond it, so RayCgraphCapacityExceeded never reaches a caller.
+        from ray.dag.context import DAGContext
+
+        limit = max(1, min(limit, DAGContext.get_current().max_inflight_executions - 1))
+        compiled = dag.experimental_compile(enable_asyncio=True)
         return cls(compiled, len(workers), limit)
 
     @contextlib.asynccontextmanager

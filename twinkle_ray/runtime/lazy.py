@@ -95,6 +95,8 @@ class GangRef:
             try:
                 death = ray.get(self.dispatcher.death_of.remote(actor_id, wait),
                                 timeout=wait + DEATH_QUERY_TIMEOUT_S)
+            except ActorUnavailableError:  # the dispatcher is unreachable for now, not dead
+                death = None
             except RayActorError as gone:  # the dispatcher itself died
                 self.dispatcher_lost = True
                 node_id, ip = self.dispatcher_node or (None, None)

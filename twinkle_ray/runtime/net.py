@@ -13,9 +13,10 @@ Example::
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
-__all__ = ["find_free_port", "find_node_ip"]
+__all__ = ["find_free_port", "find_node_ip", "is_loopback", "loopback_listener"]
 
 
 def find_free_port(start_port: int | None = None, retry: int = 100, host: str = "") -> int:
@@ -48,3 +49,31 @@ def find_node_ip() -> str:
     import ray  # here, so that ``import twinkle_ray`` does not load Ray
 
     return ray.util.get_node_ip_address()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address, or ``'localhost'``) is this machine's loopback.
+
+    Example::
+
+        >>> is_loopback("127.0.0.1"), is_loopback("localhost"), is_loopback("10.0.0.1")
+        (True, True, False)
+    """
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def loopback_listener(host: str, port: int, backlog: int) -> socket.socket:
+    """A TCP socket listening on the loopback address ``host`` (``port`` 0: the OS picks one).
+
+    torch's TCPStore server binds every interface for the address it is given; a
+    store that must stay on loopback binds here and takes the socket
+    (``TCPStore(..., master_listen_fd=sock.fileno())``, then ``sock.detach()``).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(max(64, backlog))
+    return sock

@@ -307,6 +307,19 @@ def rank_order(slots: list[BundleSlot]) -> list[BundleSlot]:
     return sorted(slots, key=lambda s: (node_order[s.node_id], s.devices[:1] or (s.bundle_index,)))
 
 
+def check_named_nodes(group: DeviceGroup, slots: list[BundleSlot]) -> None:
+    """Raise PlacementError at once when a node holding devices ``group`` named is gone: a
+    node reservation is tied to its node, so waiting for it to be placed again is futile."""
+    alive = {n["NodeID"] for n in _alive_nodes()}
+    gone = sorted({s.node_ip for s in slots if s.assigned and s.node_id not in alive})
+    if gone:
+        raise PlacementError(
+            f"group '{group.name}' names devices on node(s) {', '.join(gone)}, which are gone; "
+            f"named devices do not move to another node: declare the group again "
+            f"(shutdown() and initialize()) to place it on the nodes there are now"
+        )
+
+
 async def refresh_slots(
     group: DeviceGroup, pg: PlacementGroup, slots: list[BundleSlot], *, timeout_s: float
 ) -> list[BundleSlot]:
@@ -324,14 +337,7 @@ async def refresh_slots(
     """
     import asyncio
 
-    alive = {n["NodeID"] for n in _alive_nodes()}
-    gone = sorted({s.node_ip for s in slots if s.assigned and s.node_id not in alive})
-    if gone:  # a node reservation is tied to its node (its devices were named there)
-        raise PlacementError(
-            f"group '{group.name}' names devices on node(s) {', '.join(gone)}, which are gone; "
-            f"named devices do not move to another node: declare the group again "
-            f"(shutdown() and initialize()) to place it on the nodes there are now"
-        )
+    check_named_nodes(group, slots)
     try:
         await asyncio.wait_for(pg.ready(), timeout_s)
     except asyncio.TimeoutError:

@@ -26,6 +26,7 @@ from typing import Any
 
 from ..core import defaults
 from ..core.group import DeviceGroup, check_groups
+from .net import is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +256,7 @@ def _start_embedded(namespace: str | None, kwargs: dict) -> None:
         import ray
 
         node_ip = ray.util.get_node_ip_address()
-        if saved is None and not _is_loopback(node_ip):
+        if saved is None and not is_loopback(node_ip):
             logger.warning(
                 "twinkle_ray: ray was imported before initialize() without %s=0, so the embedded Ray "
                 "listens on %s, not only on 127.0.0.1; set %s=0 before importing ray (or import "
@@ -266,15 +267,6 @@ def _start_embedded(namespace: str | None, kwargs: dict) -> None:
     finally:
         if saved is None:
             os.environ.pop(LOOPBACK_ENV, None)
-
-
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _reserve(rt: Runtime, groups: list[DeviceGroup]) -> None:

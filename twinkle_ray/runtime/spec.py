@@ -47,6 +47,10 @@ class GangSpec:
     max_restarts: int = 0
     restart_window_s: float | None = None  # max_restarts within this many seconds (None: ever)
     placement_timeout_s: float = defaults.PLACEMENT_TIMEOUT_S  # a rebuild waits this long for its bundles to be placed
+    # the group's placement group is this gang's group's alone (not an adopted one, nor the pool
+    # of named devices or a colocation host shared with other groups): a rebuild that finds no
+    # capacity may remove it, so nothing stays reserved
+    owns_pg: bool = False
     stuck_grace_s: float | None = defaults.STUCK_GRACE_S  # None: never presume ranks stuck after a failure
     env: dict[str, str] = field(default_factory=dict)
     # metrics and 'group/Class.method' task names; TWINKLE_METRICS=0 where the gang is created: off

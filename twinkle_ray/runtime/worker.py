@@ -37,6 +37,7 @@ from . import threadstate
 from .lazy import END_OF_ITERATION, resolve_lead, resolve_routed
 from .message import Inline, Kept, Raised, WorkerCall
 from .metrics import GangMetrics, args_nbytes, payload_nbytes
+from .net import is_loopback, loopback_listener
 from .placement import resource_options
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ class GangWorker:
             torch.cuda.set_device(0)
         rendezvous: dict[str, Any] = {
             "init_method": f"tcp://{_url_host(self.info.master_addr)}:{os.environ['MASTER_PORT']}"}
-        if _is_loopback(self.info.master_addr):  # one node: keep the store and gloo on loopback
+        if is_loopback(self.info.master_addr):  # one node: keep the store and gloo on loopback
             rendezvous = {"store": _loopback_store(self.info, int(os.environ["MASTER_PORT"]), timeout_s)}
         dist.init_process_group(
             backend=backend,
@@ -436,15 +437,6 @@ def make_worker(
     ).remote(info)
 
 
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def _loopback_store(info: WorkerInfo, port: int, timeout_s: float):
     """The rendezvous TCPStore of a one-node gang, listening on 127.0.0.1 only.
 
@@ -457,7 +449,7 @@ def _loopback_store(info: WorkerInfo, port: int, timeout_s: float):
     """
     import torch.distributed as dist
 
-    if _is_loopback(ray.util.get_node_ip_address()):
+    if is_loopback(ray.util.get_node_ip_address()):
         names = {name for _, name in socket.if_nameindex()}
         lo = next((n for n in ("lo", "lo0") if n in names), None)  # Linux, macOS
         if lo is not None:
@@ -466,10 +458,7 @@ def _loopback_store(info: WorkerInfo, port: int, timeout_s: float):
                   timeout=timedelta(seconds=timeout_s))
     if info.rank != 0:
         return dist.TCPStore(is_master=False, **common)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", port))
-    listener.listen(max(64, info.world_size))
+    listener = loopback_listener("127.0.0.1", port, info.world_size)
     store = dist.TCPStore(is_master=True, master_listen_fd=listener.fileno(), **common)
     listener.detach()  # the store owns the socket now
     return store
