@@ -83,7 +83,9 @@ TURN_WAIT_S = 60.0  # how long a call waits for its caller's previous call to ar
 OUTAGE_POLL_S = 0.5
 OUTAGE_LIMIT_S = 30.0
 PLACEMENT_POLL_S = 0.5
-GRAPH_DEATH_WAIT_S = 5.0  # how long a broken graph's calls wait for the watcher to name the death
+# How long a broken graph's calls wait for the watcher to name the death: a lost node is
+# declared dead by Ray's health checks (about 15 s by default), an outage after OUTAGE_LIMIT_S.
+GRAPH_DEATH_WAIT_S = OUTAGE_LIMIT_S + 10.0
 
 
 class Dispatcher:
@@ -708,8 +710,10 @@ class Dispatcher:
         owned by this actor, so Ray counts their references as for any task output)."""
         try:
             result = await done
-            if isinstance(result, BaseException):
-                error = await self._graph_error(result)
+            broken = result if isinstance(result, BaseException) else next(
+                (r for r in result if isinstance(r, BaseException)), None)  # a rank's channel
+            if broken is not None:
+                error = await self._graph_error(broken)
                 if not answer.done():
                     answer.set_exception(error)
                 return
