@@ -141,6 +141,10 @@ def main(scenario: str) -> dict:
                 out["next_type"] = type(e).__name__
                 out["to_next_error_s"] = time.monotonic() - t1
             out["left"] = leftovers("node-loss")
+            deadline = time.monotonic() + 15  # Ray's resource view settles within a few reports
+            while (ray.available_resources().get("CPU", 0.0) < 2.0
+                   and time.monotonic() < deadline):
+                time.sleep(0.5)
             out["available"] = ray.available_resources().get("CPU", 0.0)
         twinkle.shutdown()
         time.sleep(1.0)  # kills land

@@ -13,14 +13,19 @@ Example::
 from __future__ import annotations
 
 import functools
+import time
 
 import ray
+from ray.exceptions import ActorAlreadyExistsError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..core import defaults
 from .dispatcher import RemoteDispatcher
 from .proxy import GangProxy, put_large, wait_with_progress
 from .spec import GangSpec
+
+# How long a respawn waits for a dead dispatcher's name to be released by Ray.
+RESPAWN_NAME_WAIT_S = 60.0
 
 
 def create_gang(
@@ -117,8 +122,21 @@ def new_dispatcher(spec: GangSpec):
 def respawn(spec: GangSpec, timeout_s: float | None, saved: list | None) -> tuple:
     """Rebuild a gang whose dispatcher died: a new dispatcher under the same name, a fresh
     gang, and each rank's ``saved`` state (files of ``save_state(path=...)``) restored.
-    Returns (the new dispatcher, its describe())."""
-    dispatcher = new_dispatcher(spec)
+    Returns (the new dispatcher, its describe()).
+
+    The dead dispatcher's name is free only once Ray has recorded its death (after a node
+    loss, when its health checks give the node up): until then, creating the new one is
+    retried for up to RESPAWN_NAME_WAIT_S.
+    """
+    deadline = time.monotonic() + RESPAWN_NAME_WAIT_S
+    while True:
+        try:
+            dispatcher = new_dispatcher(spec)
+            break
+        except ActorAlreadyExistsError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
     try:
         if saved is not None:
             ray.get(dispatcher.keep_saved.remote(saved), timeout=60)

@@ -95,10 +95,10 @@ class GangRef:
             try:
                 death = ray.get(self.dispatcher.death_of.remote(actor_id, wait),
                                 timeout=wait + DEATH_QUERY_TIMEOUT_S)
-            except ActorUnavailableError:  # the dispatcher is unreachable for now, not dead
-                death = None
-            except RayActorError as gone:  # the dispatcher itself died
-                self.dispatcher_lost = True
+            except RayActorError as gone:  # the dispatcher died, or cannot be reached now
+                # Only a death makes the creator's proxy respawn it (under the same name): an
+                # unreachable dispatcher (ActorUnavailableError) may still be alive.
+                self.dispatcher_lost = not isinstance(gone, ActorUnavailableError)
                 node_id, ip = self.dispatcher_node or (None, None)
                 return WorkerDiedError(self.group, self.cls_name, None, ip,
                                        death_cause(gone),
