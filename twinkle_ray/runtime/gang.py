@@ -108,14 +108,21 @@ def create_gang(
 
 
 def new_dispatcher(spec: GangSpec):
-    """A dispatcher actor for ``spec``, named by its label, near this process (soft)."""
+    """A dispatcher actor for ``spec``, named by its label, on this process's node.
+
+    The affinity is hard: the dispatcher shares its creator's node, so losing that node
+    loses both together (the driver's loss, handled by checkpoints and ``--resume``), and
+    a lost worker node never takes the dispatcher with it. With a soft affinity Ray put it
+    on another node now and then even though it asks for no resources (seen on a 3-node
+    ``Cluster``), and that node's loss then cost the gang its dispatcher.
+    """
     here = ray.get_runtime_context().get_node_id()
     return RemoteDispatcher.options(
         name=spec.label,
         namespace=spec.namespace,
         num_cpus=0,
         max_concurrency=1000,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True),
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
     ).remote(spec)
 
 
