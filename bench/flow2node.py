@@ -38,6 +38,7 @@ def run(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     mb, repeats = (32, 3) if args.quick else (256, 9)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ["TWINKLE_COMPILED"] = "1"  # prod/cons: the graph path; *_t: tasks
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
     if str(ROOT) not in sys.path:

@@ -29,9 +29,11 @@ NUM_GPUS = 8
 NUM_CPUS = 16
 
 
-# Modules whose tests run on both call paths (the Compiled Graph, and actor tasks with
-# TWINKLE_COMPILED=0); every other module runs on the default path, the graph.
+# Modules whose tests run on both call paths (actor tasks, the default, and the Compiled
+# Graph with TWINKLE_COMPILED=1); test_compiled runs on the graph; every other module runs on
+# the default path.
 BOTH_PATHS = ("test_ordering", "test_failures", "test_recovery")
+GRAPH_PATH = ("test_compiled",)
 
 
 def pytest_generate_tests(metafunc):
@@ -44,9 +46,11 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(scope="module", autouse=True)
 def call_path(request):
-    """The call path gangs created in this module use ('graph' unless parametrized): set as
-    TWINKLE_COMPILED, which the driver reads when it creates a gang."""
-    path = getattr(request, "param", "graph")
+    """The call path gangs created in this module use ('tasks', the default, unless the module
+    is in GRAPH_PATH or parametrized): set as TWINKLE_COMPILED, which the driver reads when it
+    creates a gang."""
+    module = request.module.__name__.rsplit(".", 1)[-1]
+    path = getattr(request, "param", "graph" if module in GRAPH_PATH else "tasks")
     old = os.environ.get("TWINKLE_COMPILED")
     os.environ["TWINKLE_COMPILED"] = "0" if path == "tasks" else "1"
     yield path

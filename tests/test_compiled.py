@@ -1,7 +1,8 @@
 """The Compiled Graph path: thread-local torch state, backpressure, outputs as Ray objects,
 one order with actor tasks, the switch, and the fallback to tasks when a graph cannot compile.
 
-One 2-worker CPU gang per test on the session's Ray (the default path is the graph).
+One 2-worker CPU gang per test on the session's Ray; this module's gangs take the graph
+(conftest sets TWINKLE_COMPILED=1 for it; the default is the task path).
 """
 
 from __future__ import annotations
@@ -98,14 +99,24 @@ def test_large_outputs_are_ray_objects_small_ones_come_back_by_value(gang):
     assert ray.get(small.refs) == [5, 5]
 
 
-def test_switch_selects_the_task_path(runtime, monkeypatch):
-    monkeypatch.setenv("TWINKLE_COMPILED", "0")
+@remote_class(compiled=True)
+class AlwaysGraph(Torchy):
+    pass
+
+
+def test_the_task_path_is_the_default_and_remote_class_can_choose(runtime, monkeypatch):
+    monkeypatch.delenv("TWINKLE_COMPILED")
     runtime.initialize(groups=[DeviceGroup("tp", 2, "cpu")])
     g = Torchy(remote_group="tp")
     assert g.topology()["path"] == "tasks"
     assert g.add(3)() == [3, 3]
     # Thread state holds there too (tasks run on the thread __init__ ran on).
     assert g.torch_state()()[0]["grad"] is False
+    g.close()
+    monkeypatch.setenv("TWINKLE_COMPILED", "0")  # the class's own choice wins over the switch
+    g = AlwaysGraph(remote_group="tp")
+    assert g.topology()["path"] == "graph"
+    assert g.add(4)() == [4, 4]
 
 
 def test_a_graph_that_does_not_compile_falls_back_to_tasks():

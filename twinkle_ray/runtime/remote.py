@@ -36,6 +36,7 @@ def remote_class(
     distributed: bool | None = None,
     max_restarts: int = 0,
     stuck_grace_s: float | None = defaults.STUCK_GRACE_S,
+    compiled: bool | None = None,
 ) -> Callable[[type], type]:
     """Make a class constructible as a gang: ``Cls(..., remote_group='name')``.
 
@@ -52,6 +53,17 @@ def remote_class(
     gang is torn down (``GangStuckError``) and rebuilt as after a death, so no
     later call waits on them. None: never (stuck ranks then wait for
     torch.distributed's own timeout).
+    compiled: send the gang's calls through one Ray Compiled Graph owned by
+    its dispatcher instead of one actor task per rank (about 2x cheaper per
+    call, but Ray 2.60's channel readers spin a CPU core per worker and one in
+    the dispatcher while the gang waits for calls; see the Concepts page).
+    None (default): ``TWINKLE_COMPILED=1`` where the gang is created turns it
+    on, else actor tasks.
+
+    Example::
+
+        @remote_class(compiled=True)   # a hot loop of small calls
+        class Sampler: ...
 
     Without ``remote_group``, in local mode, or inside a worker, the class
     is built in-process exactly as written.
@@ -61,7 +73,8 @@ def remote_class(
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     if stuck_grace_s is not None and stuck_grace_s <= 0:
         raise ValueError(f"stuck_grace_s must be positive or None, got {stuck_grace_s!r}")
-    options = dict(distributed=distributed, max_restarts=max_restarts, stuck_grace_s=stuck_grace_s)
+    options = dict(distributed=distributed, max_restarts=max_restarts, stuck_grace_s=stuck_grace_s,
+                   compiled=compiled)
 
     def decorate(cls: type) -> type:
         original_init = cls.__init__

@@ -57,7 +57,8 @@ class GangSpec:
     metrics: bool = field(default_factory=metrics_enabled)
     execute: str = "all"  # the remote_class's execute ('first': a one-worker gang)
     lazy_collect: bool = True  # the session's default: calls return LazyResults
-    # calls through a Compiled Graph; TWINKLE_COMPILED=0 where the gang is created: actor tasks
+    # calls through a Compiled Graph (remote_class(compiled=...), else TWINKLE_COMPILED=1 where
+    # the gang is created); off: one actor task per rank
     compiled: bool = field(default_factory=compiled_enabled)
 
     @property
