@@ -6,6 +6,7 @@ CPUs each, so a 4-worker gang has 2 ranks on each. Prints one ``RESULT {json}`` 
 
     python tests/node_loss_driver.py worker-node-lost   # rebuilt on a node added back
     python tests/node_loss_driver.py no-capacity        # PlacementError, nothing reserved
+    python tests/node_loss_driver.py dispatcher-node-lost   # the dispatcher's node: named
 """
 
 from __future__ import annotations
@@ -76,19 +77,65 @@ def leftovers(namespace: str) -> dict:
     return {"pgs": pgs, "actors": actors}
 
 
+@ray.remote(num_cpus=0)
+class Creator:
+    """A process on a worker node that creates the gang, so its dispatcher (which shares its
+    creator's node) sits on a node the cluster can remove; the driver finds the gang by name."""
+
+    def __init__(self, address: str):
+        twinkle.initialize(address=address, namespace="node-loss",
+                           groups=[DeviceGroup(GROUP, 4, "cpu")], placement_timeout_s=120.0)
+        self.gang = Healing(remote_group=GROUP)
+
+    def label(self) -> str:
+        return self.gang.topology()["label"]
+
+
+def dispatcher_node_lost(cluster: Cluster, nodes: list, out: dict) -> None:
+    """The node holding a gang's dispatcher (and its creator) is lost during a call made by
+    another process: the pending call names the dispatcher and its node; nothing is left."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from twinkle_ray.runtime.proxy import GangProxy
+
+    victim = nodes[0]
+    creator = Creator.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        node_id=victim.node_id, soft=False)).remote(cluster.address)
+    g = GangProxy.lookup(ray.get(creator.label.remote(), timeout=300), namespace="node-loss")
+    out["victim"] = victim.node_id
+    out["dispatcher_node"] = g.topology()["dispatcher_node"][0]
+    pending = g.sleep(120)
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    cluster.remove_node(victim, allow_graceful=False)  # the raylet and its workers die
+    try:
+        pending.get()
+        out["error"] = None
+    except WorkerDiedError as e:
+        out["to_error_s"] = time.monotonic() - t0
+        out["error"] = str(e)
+        out["error_type"] = type(e).__name__
+        out["kind"], out["node_id"], out["rank"] = e.kind, e.node_id, e.rank
+    deadline = time.monotonic() + 30  # the creator's gang goes with it
+    while leftovers("node-loss")["actors"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    out["left"] = leftovers("node-loss")
+
+
 def main(scenario: str) -> dict:
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 0, "include_dashboard": False})
-    # The dispatcher (num_cpus=0) asks for the driver's node, softly: Ray places it elsewhere
-    # when that node has nothing free. With a spare CPU on the worker nodes and none on the head
-    # it lands on a worker node, which the dispatcher scenario removes.
-    cpus = 3 if scenario == "dispatcher-node-lost" else 2
-    nodes = [cluster.add_node(num_cpus=cpus), cluster.add_node(num_cpus=cpus)]
+    # The dispatcher (num_cpus=0) shares its creator's node: the driver's (the head) here, or
+    # in the dispatcher scenario a worker node, where an actor creates the gang.
+    nodes = [cluster.add_node(num_cpus=2), cluster.add_node(num_cpus=2)]
     out: dict = {"scenario": scenario, "address": cluster.address}
     ckpt = tempfile.mkdtemp(prefix="twinkle-node-loss-")
     try:
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, namespace="node-loss")
+        if scenario == "dispatcher-node-lost":  # the gang is the creator's, not this driver's
+            dispatcher_node_lost(cluster, nodes, out)
+            return out
         twinkle.initialize(address=cluster.address, namespace="node-loss",
                            groups=[DeviceGroup(GROUP, 4, "cpu")],
                            placement_timeout_s=15.0 if scenario == "no-capacity" else 120.0)
@@ -96,10 +143,7 @@ def main(scenario: str) -> dict:
         where = g.where()()
         desc = g.topology()
         disp = desc["dispatcher_node"][0]
-        if scenario == "dispatcher-node-lost":
-            victim = next(n for n in nodes if n.node_id == disp)  # StopIteration: on the head
-        else:  # the worker node without the dispatcher (Ray may place it off the head node)
-            victim = next(n for n in reversed(nodes) if n.node_id != disp)
+        victim = next(n for n in reversed(nodes) if n.node_id != disp)  # (the head holds it)
         out["victim_ranks"] = [r for r, n in enumerate(where) if n == victim.node_id]
         out["victim_bundles"] = sorted(desc["ranks"][r]["bundle"] for r in out["victim_ranks"])
         out["victim"] = victim.node_id
@@ -118,10 +162,7 @@ def main(scenario: str) -> dict:
             out["error"] = str(e)
             out["error_type"] = type(e).__name__
             out["kind"], out["node_id"], out["rank"] = e.kind, e.node_id, e.rank
-        if scenario == "dispatcher-node-lost":
-            time.sleep(2.0)
-            out["left"] = leftovers("node-loss")
-        elif scenario == "worker-node-lost":
+        if scenario == "worker-node-lost":
             time.sleep(1.0)
             t1 = time.monotonic()
             nodes.append(cluster.add_node(num_cpus=2))  # capacity comes back

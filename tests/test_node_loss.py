@@ -97,16 +97,18 @@ def test_node_lost_without_capacity_names_missing_resources_and_releases_all():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "the scenario needs Ray to put the dispatcher on a worker node, but its node affinity to "
-    "the driver is soft and it often lands on the head, which a Cluster cannot remove "
-    "(StopIteration in the driver); the error path itself ran in direct driver runs"))
 def test_node_lost_with_the_dispatcher_names_the_dispatcher_and_its_node():
+    """The dispatcher shares its creator's node: an actor on a worker node creates the gang, the
+    driver calls it (found by name), and that node is lost during the call."""
     out = run_scenario("dispatcher-node-lost")
     print(f"\nnode loss with the dispatcher: error after {out['to_error_s']:.1f}s")
+    assert out["dispatcher_node"] == out["victim"], out
     assert out["error_type"] == "WorkerDiedError", out
     assert out["kind"] == "dispatcher" and out["rank"] is None, out
     assert out["node_id"] == out["victim"], out
     assert out["error"].startswith("the dispatcher of Healing in group 'job/trainer' died (node "), out
     assert out["to_error_s"] < TO_ERROR_LIMIT_S, out
-    assert out["left_after_shutdown"] == {"pgs": [], "actors": []}
+    # The gang's actors went with their creator. Its placement group does not: Ray scopes a
+    # placement group to the job, not to the actor that made it, so it stays reserved until
+    # the driver's job ends (known limitation, noted in docs/failures.md).
+    assert out["left"]["actors"] == [], out

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from typing import Any
 
 import ray
@@ -557,6 +558,7 @@ class Dispatcher:
             "restart_policy": self.policy.describe(),
             "dispatcher_node": (ray.get_runtime_context().get_node_id(),
                                 ray.util.get_node_ip_address()),
+            "dispatcher_pid": os.getpid(),
             "saved_state": self.saved is not None,
             "master_addr": self.master_addr,
             "ranks": [
@@ -786,7 +788,8 @@ class Dispatcher:
     def _own_gang(self) -> GangRef:
         """This gang's GangRef (for proxies; its callers send its own LazyResults without one)."""
         if self._gang_ref is None:
-            self._gang_ref = self.spec.gang_ref(ray.get_runtime_context().current_actor)
+            here = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+            self._gang_ref = self.spec.gang_ref(ray.get_runtime_context().current_actor, here)
         return self._gang_ref
 
     def _routing(self) -> Router:
