@@ -29,7 +29,7 @@ import twinkle_ray as twinkle
 from twinkle_ray import DeviceGroup, remote_class, remote_function
 
 
-@remote_class()
+@remote_class(compiled=False)
 class Idle:
     @remote_function(dispatch="all", collect="none")
     def noop(self) -> None:

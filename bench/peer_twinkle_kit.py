@@ -135,8 +135,8 @@ class _TrBase:
         return _slice_sum(batch)
 
 
-TrWorker = tr_remote_class()(type("TrWorker", (_TrBase,), {}))  # default: gloo when > 1 worker
-TrPlain = tr_remote_class(distributed=False)(type("TrPlain", (_TrBase,), {}))
+TrWorker = tr_remote_class(compiled=False)(type("TrWorker", (_TrBase,), {}))  # default: gloo when > 1 worker
+TrPlain = tr_remote_class(distributed=False, compiled=False)(type("TrPlain", (_TrBase,), {}))
 TrGraph = tr_remote_class(distributed=False, compiled=True)(type("TrGraph", (_TrBase,), {}))
 
 

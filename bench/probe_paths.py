@@ -2,8 +2,8 @@
 
 Run it twice on a quiet machine, once per path:
 
-    .venv/bin/python bench/probe_paths.py
-    TWINKLE_COMPILED=0 .venv/bin/python bench/probe_paths.py
+    .venv/bin/python bench/probe_paths.py                      # the task path (default)
+    TWINKLE_COMPILED=1 .venv/bin/python bench/probe_paths.py   # the Compiled Graph path
 
 For two gangs of 4 CPU workers in turn it prints: start-up, an eager no-op call plus collect
 (mean of 200), 100 lazy calls made back to back then collected once (per call), and which path
@@ -28,7 +28,7 @@ class Noop:
 
 def main() -> None:
     tw.initialize(groups=[DeviceGroup("g", 4, "cpu")], num_cpus=6)
-    label = os.environ.get("TWINKLE_COMPILED", "default")
+    label = "graph" if os.environ.get("TWINKLE_COMPILED") == "1" else "tasks"
     for _ in range(2):
         t = time.perf_counter()
         gang = Noop(remote_group="g")

@@ -93,7 +93,7 @@ class Creator:
 
 def dispatcher_node_lost(cluster: Cluster, nodes: list, out: dict) -> None:
     """The node holding a gang's dispatcher (and its creator) is lost during a call made by
-    another process: the pending call names the dispatcher and its node; nothing is left."""
+    another process: the pending call names the dispatcher and its node; no actor is left."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from twinkle_ray.runtime.proxy import GangProxy

@@ -104,6 +104,11 @@ class AlwaysGraph(Torchy):
     pass
 
 
+@remote_class(compiled=False)
+class NeverGraph(Torchy):
+    pass
+
+
 def test_the_task_path_is_the_default_and_remote_class_can_choose(runtime, monkeypatch):
     monkeypatch.delenv("TWINKLE_COMPILED")
     runtime.initialize(groups=[DeviceGroup("tp", 2, "cpu")])
@@ -117,6 +122,15 @@ def test_the_task_path_is_the_default_and_remote_class_can_choose(runtime, monke
     g = AlwaysGraph(remote_group="tp")
     assert g.topology()["path"] == "graph"
     assert g.add(4)() == [4, 4]
+    g.close()
+    monkeypatch.setenv("TWINKLE_COMPILED", "1")
+    g = NeverGraph(remote_group="tp")
+    assert g.topology()["path"] == "tasks"
+
+
+def test_compiled_must_be_a_bool_or_none():
+    with pytest.raises(ValueError, match="compiled must be None, True or False, got '0'"):
+        remote_class(compiled="0")
 
 
 def test_a_graph_that_does_not_compile_falls_back_to_tasks():

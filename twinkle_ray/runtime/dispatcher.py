@@ -9,8 +9,10 @@ caller's **turn** (each caller's calls in the order it made them), the gang's
 :class:`~twinkle_ray.runtime.message.WorkerCall`, LazyResult arguments routed
 without waiting for their values) and the **submit**.
 
-Submit, the graph path (default): the dispatcher compiles one Ray Compiled
-Graph over its workers at start and after every rebuild
+Submit, the task path (the default): one actor task per target rank, in the
+gang's order; it returns the output refs at once. The graph path
+(``remote_class(compiled=True)`` or ``TWINKLE_COMPILED=1``): the dispatcher
+compiles one Ray Compiled Graph over its workers at start and after every rebuild
 (:mod:`~twinkle_ray.runtime.graph`), and a call is one execution of it. Its
 outputs: a result up to 64 KiB pickled comes back by value (as bytes this actor
 never unpickles); a larger one stays in its
@@ -19,9 +21,8 @@ is the output: a Ray object on the worker's node, owned by this actor, whose
 lifetime Ray's reference counting decides as for any task output (a ref
 passed through a graph channel registers no borrower, so a worker-side
 ``ray.put`` would be freed under its consumers). ``save_state`` runs as actor
-tasks between executions. The task path (``TWINKLE_COMPILED=0``, or a graph
-that did not compile) submits one actor task per rank instead and returns the
-output refs at once.
+tasks between executions. A graph that did not compile falls back to the task
+path.
 
 Failures: a watch task per worker tells it within milliseconds when one
 dies; a worker whose call raised reports it (and, on the graph path, hands

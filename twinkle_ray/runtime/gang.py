@@ -114,8 +114,8 @@ def new_dispatcher(spec: GangSpec):
     """A dispatcher actor for ``spec``, named by its label, on this process's node.
 
     The affinity is hard: the dispatcher shares its creator's node, so losing that node
-    loses both together (the driver's loss, handled by checkpoints and ``--resume``), and
-    a lost worker node never takes the dispatcher with it. With a soft affinity Ray put it
+    loses both together (for a driver, a run continued with checkpoints and ``--resume``),
+    and a lost node never takes the dispatcher unless its creator runs there. With a soft affinity Ray put it
     on another node now and then even though it asks for no resources (seen on a 3-node
     ``Cluster``), and that node's loss then cost the gang its dispatcher.
     """

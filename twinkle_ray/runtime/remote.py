@@ -71,6 +71,8 @@ def remote_class(
     check_execute(execute)
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    if compiled not in (None, True, False):
+        raise ValueError(f"compiled must be None, True or False, got {compiled!r}")
     if stuck_grace_s is not None and stuck_grace_s <= 0:
         raise ValueError(f"stuck_grace_s must be positive or None, got {stuck_grace_s!r}")
     options = dict(distributed=distributed, max_restarts=max_restarts, stuck_grace_s=stuck_grace_s,
