@@ -81,6 +81,20 @@ def test_more_calls_than_the_in_flight_limit_queue(gang):
     assert gang.history()() == list(range(3 * INFLIGHT_LIMIT))
 
 
+def test_a_timeout_bounds_a_call_still_waiting_for_a_slot(gang):
+    from twinkle_ray import CallTimeoutError
+    from twinkle_ray.runtime.graph import INFLIGHT_LIMIT
+
+    busy = [gang.add(i, 0.5) for i in range(INFLIGHT_LIMIT)]  # every in-flight slot, ~4 s
+    queued = gang.add(99)
+    with pytest.raises(CallTimeoutError, match=r"Torchy.add\(\) on group 'cg': not started on any "
+                                               r"rank within 0.5s") as info:
+        queued.get(timeout=0.5)
+    assert info.value.ranks == []
+    assert [o() for o in busy] == [[i, i] for i in range(INFLIGHT_LIMIT)]
+    assert queued.get() == [99, 99]  # it still runs, in its turn
+
+
 def test_save_state_is_ordered_with_graph_calls(gang):
     gang.add(1, 0.3)  # still running in the graph when save_state is sent
     gang.save_state()

@@ -48,6 +48,9 @@ OUTAGE_WAIT_S = 40.0
 # After a failure, how long to look at the other ranks' outcomes before raising (a peer's death
 # outranks a user error it caused). Stuck ranks are the dispatcher's business (GangStuckError).
 ERROR_GRACE_S = 0.5
+# A plan late with no rank running its call gets this much longer (it may have just ended)
+# before CallTimeoutError says that it has not started.
+PLAN_GRACE_S = 2.0
 
 
 @dataclass
@@ -435,22 +438,31 @@ class LazyResult:
         self.timeout = timeout
 
     # -- plan and refs -------------------------------------------------------------------------
-    def plan(self, timeout: float | None = None) -> CallOutput:
+    def plan(self, timeout: float | None = None, _stated: float | None = None) -> CallOutput:
         """The dispatcher's CallOutput (refs only). Raises the call's routing/death errors.
 
         Through a Compiled Graph the plan comes back when the call has run:
-        past ``timeout`` seconds, CallTimeoutError names the ranks still running.
+        past ``timeout`` seconds, CallTimeoutError names the ranks still running,
+        or says that no rank has started it (it waits in the dispatcher behind
+        earlier calls, for an in-flight slot, or for a rebuild of the gang).
         """
         if self._out is None:
             try:
                 self._out = ray.get(self._plan_ref, timeout=timeout)
             except GetTimeoutError:
                 late = self._late_ranks()
-                if late == []:  # no rank is running it (the task path, or it just ended): the
-                    return self.plan()  # plan itself is late (a busy dispatcher), not a rank
+                where = f"{self.gang.cls_name}.{self.method}() on group '{self.gang.group}'"
+                stated = timeout if _stated is None else _stated
+                if late == [] and _stated is None:  # no rank runs it: it just ended, or it has
+                    return self.plan(PLAN_GRACE_S, stated)  # not started: look once more
+                if late == []:
+                    raise CallTimeoutError(
+                        f"{where}: not started on any rank within {stated:g}s (it waits in the "
+                        f"dispatcher behind earlier calls, for an in-flight slot, or for the "
+                        f"gang's rebuild)", []) from None
                 raise CallTimeoutError(
-                    f"{self.gang.cls_name}.{self.method}() on group '{self.gang.group}': rank(s) "
-                    f"{late or []} did not answer within {timeout:g}s", late or []) from None
+                    f"{where}: rank(s) {late or []} did not answer within {stated:g}s",
+                    late or []) from None
             except RayTaskError as e:
                 if isinstance(e, RaySystemError) or isinstance(e.cause, RaySystemError):
                     # Ray failed the call before it ran: its arguments did not unpickle there
