@@ -77,6 +77,24 @@ def leftovers(namespace: str) -> dict:
     return {"pgs": pgs, "actors": actors}
 
 
+def remove_during_call(cluster: Cluster, victim, g, out: dict) -> float:
+    """Kill node ``victim`` (raylet and workers) while a 120 s call on gang ``g`` is pending;
+    record the error the call raised in ``out``. Returns the moment of the removal."""
+    pending = g.sleep(120)
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    cluster.remove_node(victim, allow_graceful=False)
+    try:
+        pending.get()
+        out["error"] = None
+    except WorkerDiedError as e:
+        out["to_error_s"] = time.monotonic() - t0
+        out["error"] = str(e)
+        out["error_type"] = type(e).__name__
+        out["kind"], out["node_id"], out["rank"] = e.kind, e.node_id, e.rank
+    return t0
+
+
 @ray.remote(num_cpus=0)
 class Creator:
     """A process on a worker node that creates the gang, so its dispatcher (which shares its
@@ -104,18 +122,7 @@ def dispatcher_node_lost(cluster: Cluster, nodes: list, out: dict) -> None:
     g = GangProxy.lookup(ray.get(creator.label.remote(), timeout=300), namespace="node-loss")
     out["victim"] = victim.node_id
     out["dispatcher_node"] = g.topology()["dispatcher_node"][0]
-    pending = g.sleep(120)
-    time.sleep(1.0)
-    t0 = time.monotonic()
-    cluster.remove_node(victim, allow_graceful=False)  # the raylet and its workers die
-    try:
-        pending.get()
-        out["error"] = None
-    except WorkerDiedError as e:
-        out["to_error_s"] = time.monotonic() - t0
-        out["error"] = str(e)
-        out["error_type"] = type(e).__name__
-        out["kind"], out["node_id"], out["rank"] = e.kind, e.node_id, e.rank
+    remove_during_call(cluster, victim, g, out)
     deadline = time.monotonic() + 30  # the creator's gang goes with it
     while leftovers("node-loss")["actors"] and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -150,18 +157,7 @@ def main(scenario: str) -> dict:
         g.set_value(1)()
         g.save_state(path=ckpt)  # files: survive the node's object store
         g.set_value(2)()  # lost by the rebuild
-        pending = g.sleep(120)
-        time.sleep(1.0)
-        t0 = time.monotonic()
-        cluster.remove_node(victim, allow_graceful=False)  # the raylet and its workers die
-        try:
-            pending.get()
-            out["error"] = None
-        except WorkerDiedError as e:
-            out["to_error_s"] = time.monotonic() - t0
-            out["error"] = str(e)
-            out["error_type"] = type(e).__name__
-            out["kind"], out["node_id"], out["rank"] = e.kind, e.node_id, e.rank
+        t0 = remove_during_call(cluster, victim, g, out)
         if scenario == "worker-node-lost":
             time.sleep(1.0)
             t1 = time.monotonic()
