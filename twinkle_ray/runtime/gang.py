@@ -115,9 +115,9 @@ def new_dispatcher(spec: GangSpec):
 
     The affinity is hard: the dispatcher shares its creator's node, so losing that node
     loses both together (for a driver, a run continued with checkpoints and ``--resume``),
-    and a lost node never takes the dispatcher unless its creator runs there. With a soft affinity Ray put it
-    on another node now and then even though it asks for no resources (seen on a 3-node
-    ``Cluster``), and that node's loss then cost the gang its dispatcher.
+    and a lost node never takes the dispatcher unless its creator runs there. With a soft
+    affinity Ray put it on another node now and then even though it asks for no resources
+    (seen on a 3-node ``Cluster``), and that node's loss then cost the gang its dispatcher.
     """
     here = ray.get_runtime_context().get_node_id()
     return RemoteDispatcher.options(

@@ -54,7 +54,7 @@ def remote_class(
     later call waits on them. None: never (stuck ranks then wait for
     torch.distributed's own timeout).
     compiled: send the gang's calls through one Ray Compiled Graph owned by
-    its dispatcher instead of one actor task per rank (about 2x cheaper per
+    its dispatcher instead of one actor task per rank (about 1.7x cheaper per
     call, but Ray 2.60's channel readers spin a CPU core per worker and one in
     the dispatcher while the gang waits for calls; see the Concepts page).
     None (default): ``TWINKLE_COMPILED=1`` where the gang is created turns it
