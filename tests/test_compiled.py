@@ -85,13 +85,17 @@ def test_a_timeout_bounds_a_call_still_waiting_for_a_slot(gang):
     from twinkle_ray import CallTimeoutError
     from twinkle_ray.runtime.graph import INFLIGHT_LIMIT
 
-    busy = [gang.add(i, 0.5) for i in range(INFLIGHT_LIMIT)]  # every in-flight slot, ~4 s
-    queued = gang.add(99)
+    # Every in-flight slot, one call holding the gang's order while it waits for a slot (that
+    # one is registered: its ranks would be named as late), and 3 more, so that the queued call
+    # is still unregistered when the timeout and its 2 s grace have passed; ~12 s of work.
+    n = INFLIGHT_LIMIT + 4
+    busy = [gang.add(i, 1.0) for i in range(n)]
+    queued = gang.add(99)  # behind them all: not started anywhere
     with pytest.raises(CallTimeoutError, match=r"Torchy.add\(\) on group 'cg': not started on any "
                                                r"rank within 0.5s") as info:
         queued.get(timeout=0.5)
     assert info.value.ranks == []
-    assert [o() for o in busy] == [[i, i] for i in range(INFLIGHT_LIMIT)]
+    assert [o() for o in busy] == [[i, i] for i in range(n)]
     assert queued.get() == [99, 99]  # it still runs, in its turn
 
 
