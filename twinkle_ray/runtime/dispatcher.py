@@ -134,6 +134,8 @@ class Dispatcher:
         self.path = "tasks"  # how calls reach the workers, as describe() reports it
         # graph calls not answered yet: number -> (caller's turn, target ranks, the answer)
         self._pending: dict[int, tuple[tuple | None, list[int], asyncio.Future]] = {}
+        # (node id, ip) of this actor: named in its death and in topology()
+        self.node = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> dict:
@@ -557,8 +559,7 @@ class Dispatcher:
             "rebuilding": self._restart_task is not None and not self._restart_task.done(),
             "rebuild_error": self.rebuild_error,
             "restart_policy": self.policy.describe(),
-            "dispatcher_node": (ray.get_runtime_context().get_node_id(),
-                                ray.util.get_node_ip_address()),
+            "dispatcher_node": self.node,
             "dispatcher_pid": os.getpid(),
             "saved_state": self.saved is not None,
             "master_addr": self.master_addr,
@@ -789,8 +790,7 @@ class Dispatcher:
     def _own_gang(self) -> GangRef:
         """This gang's GangRef (for proxies; its callers send its own LazyResults without one)."""
         if self._gang_ref is None:
-            here = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
-            self._gang_ref = self.spec.gang_ref(ray.get_runtime_context().current_actor, here)
+            self._gang_ref = self.spec.gang_ref(ray.get_runtime_context().current_actor, self.node)
         return self._gang_ref
 
     def _routing(self) -> Router:
