@@ -7,6 +7,8 @@ One 2-worker CPU gang per test on the session's Ray; this module's gangs take th
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import ray
@@ -131,7 +133,12 @@ def test_the_task_path_is_the_default_and_remote_class_can_choose(runtime, monke
     monkeypatch.delenv("TWINKLE_COMPILED")
     runtime.initialize(groups=[DeviceGroup("tp", 2, "cpu")])
     g = Torchy(remote_group="tp")
-    assert g.topology()["path"] == "tasks"
+    topo = g.topology()
+    assert topo["path"] == "tasks"
+    # topology() names the dispatcher's own process: alive, and neither a worker nor this one
+    pid = topo["dispatcher_pid"]
+    assert pid not in [r["pid"] for r in topo["ranks"]] + [os.getpid()]
+    os.kill(pid, 0)  # raises if no such process
     assert g.add(3)() == [3, 3]
     # Thread state holds there too (tasks run on the thread __init__ ran on).
     assert g.torch_state()()[0]["grad"] is False
