@@ -117,21 +117,6 @@ def _gang(n: int, name: str):
     return BenchWorker(device_mesh=DeviceMesh.from_sizes(dp_size=n), remote_group=name)
 
 
-def _tasks_twin(n: int, group: str, cls=None, **options):
-    """A second gang on the same group's bundles whose calls go through actor tasks
-    (``TWINKLE_COMPILED=0`` where it is created): the task path, timed beside the graph path."""
-    before = os.environ.get("TWINKLE_COMPILED")
-    os.environ["TWINKLE_COMPILED"] = "0"
-    try:
-        cls = cls or BenchWorker
-        return cls(device_mesh=DeviceMesh.from_sizes(dp_size=n), remote_group=group, **options)
-    finally:
-        if before is None:
-            del os.environ["TWINKLE_COMPILED"]
-        else:
-            os.environ["TWINKLE_COMPILED"] = before
-
-
 def _row(name: str, r: dict, **extra) -> dict:
     """A result row. ``target`` is the target as text; ``checks`` (and ``stretch``) the same as
     ``(key, '<=' or '>=', bound)`` triples that :func:`bench.run.table` evaluates."""
@@ -180,31 +165,13 @@ def bench_gang4(cfg: Config, only: frozenset = frozenset({"B1", "B2", "B3"})) ->
             assert [i for xs in ray.get(refs) for i in xs] == list(range(n))
 
         if "B2" in only:
-            tasks = _tasks_twin(n, "b1")
-
-            def chain_tasks():
-                x = tasks.step([i for xs in start for i in xs])
-                for _ in range(cfg.chain - 1):
-                    x = tasks.step(x)
-                assert x.get() == list(range(n))
-
-            try:
-                samples = compare_many({"graph": chain_twinkle, "tasks": chain_tasks, "raw": chain_raw},
-                                       repeats=cfg.chain_repeats, warmup=1)
-            finally:
-                tasks.close()
-            for side, name, path in (("graph", f"B2 {cfg.chain} chained lazy calls, 4 workers", "graph"),
-                                     ("tasks", f"B2 {cfg.chain} chained lazy calls, 4 workers, task path",
-                                      "tasks")):
-                ratio, paired = ratios(samples[side], samples["raw"])
-                r = {"twinkle_s": statistics.median(samples[side]),
-                     "raw_s": statistics.median(samples["raw"]), "ratio": ratio, "paired_ratio": paired}
-                r["twinkle_calls_per_s"] = cfg.chain / r["twinkle_s"]
-                r["raw_calls_per_s"] = cfg.chain / r["raw_s"]
-                r["throughput_ratio"] = r["twinkle_calls_per_s"] / r["raw_calls_per_s"]
-                target = ({"target": "throughput >= 1.0x raw", "checks": [("throughput_ratio", ">=", 1.0)]}
-                          if path == "graph" else {})
-                rows.append(_row(name, r, unit="s", path=path, **target))
+            r = compare(chain_twinkle, chain_raw, repeats=cfg.chain_repeats, warmup=1)
+            r["twinkle_calls_per_s"] = cfg.chain / r["twinkle_s"]
+            r["raw_calls_per_s"] = cfg.chain / r["raw_s"]
+            r["throughput_ratio"] = r["twinkle_calls_per_s"] / r["raw_calls_per_s"]
+            rows.append(_row(f"B2 {cfg.chain} chained lazy calls, 4 workers", r, unit="s",
+                             target="throughput >= 1.0x raw",
+                             checks=[("throughput_ratio", ">=", 1.0)]))
             workers = whatif.gang_workers(gang, NAMESPACE)
 
             def chain_direct():
@@ -250,34 +217,27 @@ def _b1(cfg: Config, gang, actors: list) -> list[dict]:
     """
     hop = whatif.Hop.options(max_concurrency=1000).remote(actors)
     raw = lambda: ray.get([a.noop.remote() for a in actors])  # noqa: E731
-    tasks = _tasks_twin(len(actors), "b1")
     rows = []
     try:
         samples = compare_many({
             "eager": lambda: gang.noop_eager(),
             "lazy": lambda: gang.noop().get(),
-            "tasks eager": lambda: tasks.noop_eager(),
-            "tasks lazy": lambda: tasks.noop().get(),
             "floor": lambda: ray.get(ray.get(hop.refs.remote())),
             "raw": raw,
         }, repeats=cfg.repeats, warmup=cfg.warmup)
         med = {k: statistics.median(v) for k, v in samples.items()}
-        for side, name, path in (
-            ("eager", "B1 no-op call, 4 workers, eager (value back)", "graph"),
-            ("lazy", "B1 no-op call, 4 workers, lazy (LazyResult, then get)", "graph"),
-            ("tasks eager", "B1 no-op call, 4 workers, eager, task path", "tasks"),
-            ("tasks lazy", "B1 no-op call, 4 workers, lazy, task path", "tasks"),
+        for side, name in (
+            ("eager", "B1 no-op call, 4 workers, eager (value back)"),
+            ("lazy", "B1 no-op call, 4 workers, lazy (LazyResult, then get)"),
         ):
             ratio, paired = ratios(samples[side], samples["raw"])
             floor_ratio, floor_paired = ratios(samples[side], samples["floor"])
-            target = ({"target": "<= 0.6x raw fan-out", "checks": [("ratio", "<=", 0.6)]}
-                      if path == "graph" else {})
             rows.append(_row(
                 name, {"twinkle_s": med[side], "raw_s": med["raw"], "ratio": ratio, "paired_ratio": paired,
                        "floor_s": med["floor"], "floor_ratio": floor_ratio,
                        "floor_paired_ratio": floor_paired, "twinkle_samples": samples[side],
                        "raw_samples": samples["raw"], "floor_samples": samples["floor"]},
-                unit="ms", path=path, **target,
+                unit="ms", target="<= 1.0x the one-hop floor", checks=[("floor_ratio", "<=", 1.0)],
             ))
         ratio, paired = ratios(samples["floor"], samples["raw"])
         rows.append(_row(B1_FLOOR, {"floor_s": med["floor"], "raw_s": med["raw"], "ratio": ratio,
@@ -292,7 +252,6 @@ def _b1(cfg: Config, gang, actors: list) -> list[dict]:
                              whatif=True))
     finally:
         ray.kill(hop)
-        tasks.close()
     return rows
 
 
@@ -447,32 +406,21 @@ def _wait_gone(timeout_s: float = 30.0) -> None:
 # ---------------------------------------------------------------------------- B6
 def bench_scaling(cfg: Config) -> list[dict]:
     """B6: no-op call + collect (lazy, then get) on gangs of 1..16 workers."""
-    rows, task_rows = [], []
+    rows = []
     for n in cfg.b6_sizes:
         gang = _gang(n, f"b6_{n}")
-        tasks = _tasks_twin(n, f"b6_{n}")
         raw = RawGang(n)
         raw.start()
         try:
             actors = raw.actors
-            samples = compare_many({"graph": lambda g=gang: g.noop().get(),
-                                    "tasks": lambda g=tasks: g.noop().get(),
-                                    "raw": lambda a=actors: ray.get([w.noop.remote() for w in a])},
-                                   repeats=cfg.repeats, warmup=cfg.warmup)
+            r = compare(lambda g=gang: g.noop().get(),
+                        lambda a=actors: ray.get([w.noop.remote() for w in a]),
+                        repeats=cfg.repeats, warmup=cfg.warmup)
         finally:
             raw.close()
             twinkle.shutdown()
-        for side, out, suffix in (("graph", rows, ""), ("tasks", task_rows, ", task path")):
-            ratio, paired = ratios(samples[side], samples["raw"])
-            out.append(_row(f"B6 no-op call + collect, {n} worker(s){suffix}",
-                            {"twinkle_s": statistics.median(samples[side]),
-                             "raw_s": statistics.median(samples["raw"]), "ratio": ratio,
-                             "paired_ratio": paired}, unit="ms", workers=n, path=side))
-    tasks_slope = scaling_slope(task_rows)
-    tasks_slope.update(name="B6 slope, task path: ms per additional worker", path="tasks")
-    for key in ("target", "checks"):
-        tasks_slope.pop(key)
-    return [*rows, scaling_slope(rows), *task_rows, tasks_slope]
+        rows.append(_row(f"B6 no-op call + collect, {n} worker(s)", r, unit="ms", workers=n))
+    return [*rows, scaling_slope(rows)]
 
 
 # ---------------------------------------------------------------------------- B7
@@ -482,28 +430,19 @@ class FirstWorker(BenchWorker):
 
 
 def bench_first(cfg: Config) -> list[dict]:
-    """B7: no-op call + collect on a 1-worker ``execute='first'`` gang, both paths and raw."""
+    """B7: no-op call + collect on a 1-worker ``execute='first'`` gang, and raw."""
     _init(DeviceGroup("b7", 1, "cpu"))
     gang = FirstWorker(device_mesh=DeviceMesh.from_sizes(dp_size=1), remote_group="b7")
-    tasks = _tasks_twin(1, "b7", FirstWorker)
     raw = RawGang(1)
     raw.start()
-    rows = []
     try:
         actor = raw.actors[0]
-        samples = compare_many({"graph": lambda: gang.noop().get(), "tasks": lambda: tasks.noop().get(),
-                                "raw": lambda: ray.get(actor.noop.remote())},
-                               repeats=cfg.repeats, warmup=cfg.warmup)
+        r = compare(lambda: gang.noop().get(), lambda: ray.get(actor.noop.remote()),
+                    repeats=cfg.repeats, warmup=cfg.warmup)
     finally:
         raw.close()
         twinkle.shutdown()
-    for side, suffix in (("graph", ""), ("tasks", ", task path")):
-        ratio, paired = ratios(samples[side], samples["raw"])
-        rows.append(_row(f"B7 no-op call + collect, 1 worker, execute='first'{suffix}",
-                         {"twinkle_s": statistics.median(samples[side]),
-                          "raw_s": statistics.median(samples["raw"]), "ratio": ratio,
-                          "paired_ratio": paired}, unit="ms", path=side))
-    return rows
+    return [_row("B7 no-op call + collect, 1 worker, execute='first'", r, unit="ms")]
 
 
 def scaling_slope(rows: list[dict]) -> dict:

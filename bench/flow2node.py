@@ -3,8 +3,7 @@
 Runs on a ``ray.cluster_utils.Cluster`` of two raylets on this machine
 (node A: 4 CPUs, node B: 2 CPUs; the groups are STRICT_PACK, so the dp=4
 group takes node A and the dp=2 group node B). The same 256 MB flow runs
-through twinkle_ray (LazyResult routing; on the graph path and on the task
-path) and through raw Ray (producer refs passed straight to the consumer
+through twinkle_ray (LazyResult routing) and through raw Ray (producer refs passed straight to the consumer
 actors), in one rotation. Payload bytes are traced by unpickling (see
 :mod:`bench.payload`): ``bytes_to_consumers`` is what crossed from node A to
 node B (every consumer lives on B), and nothing may pass through the driver
@@ -38,7 +37,6 @@ def run(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     mb, repeats = (32, 3) if args.quick else (256, 9)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ["TWINKLE_COMPILED"] = "1"  # prod/cons: the graph path; *_t: tasks
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
     if str(ROOT) not in sys.path:
@@ -49,7 +47,7 @@ def run(argv: list[str] | None = None) -> dict:
 
     import twinkle_ray as twinkle
     from bench import payload
-    from bench.cases import BenchWorker, _tasks_twin
+    from bench.cases import BenchWorker
     from bench.raw import RawGang
     from bench.timing import compare_many, ratios
     from twinkle_ray import DeviceGroup, DeviceMesh
@@ -66,7 +64,6 @@ def run(argv: list[str] | None = None) -> dict:
             DeviceGroup("fb", 2, "cpu", strategy="STRICT_PACK")])
         prod = BenchWorker(device_mesh=DeviceMesh.from_sizes(dp_size=4), remote_group="fa")
         cons = BenchWorker(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="fb")
-        prod_t, cons_t = _tasks_twin(4, "fa"), _tasks_twin(2, "fb")
         nodes = {g: {r["node_id"] for r in x.topology()["ranks"]}
                  for g, x in (("fa", prod), ("fb", cons))}
         assert len(nodes["fa"]) == 1 and len(nodes["fb"]) == 1 and nodes["fa"] != nodes["fb"], nodes
@@ -88,9 +85,9 @@ def run(argv: list[str] | None = None) -> dict:
                            raw_c.actors[1].join.remote(refs[2], refs[3])])
             assert got == expected
 
-        sides = {"graph": lambda: flow(prod, cons), "tasks": lambda: flow(prod_t, cons_t), "raw": raw}
+        sides = {"twinkle": lambda: flow(prod, cons), "raw": raw}
         driver = os.getpid()
-        dispatchers = {_pid(x) for x in (prod, cons, prod_t, cons_t)} - {None}
+        dispatchers = {_pid(x) for x in (prod, cons)} - {None}
         traffic = {}
         for side, fn in sides.items():  # one traced run per side, on its own
             payload.clear(trace_dir)
@@ -105,11 +102,9 @@ def run(argv: list[str] | None = None) -> dict:
         samples = compare_many(sides, repeats=repeats, warmup=1)
         row = {"name": f"F1 2-node flow dp=4 (node A) -> dp=2 (node B), {mb} MB", "unit": "s",
                "payload_bytes_total": mb * 1024 * 1024, "traffic": traffic}
-        for side in ("graph", "tasks"):
-            ratio, paired = ratios(samples[side], samples["raw"])
-            row[f"{side}_s"], row[f"{side}_ratio"], row[f"{side}_paired_ratio"] = (
-                statistics.median(samples[side]), ratio, paired)
-        row["raw_s"] = statistics.median(samples["raw"])
+        ratio, paired = ratios(samples["twinkle"], samples["raw"])
+        row.update(twinkle_s=statistics.median(samples["twinkle"]), ratio=ratio, paired_ratio=paired,
+                   raw_s=statistics.median(samples["raw"]))
         raw_p.close()
         raw_c.close()
         for pg in pgs:
@@ -120,8 +115,8 @@ def run(argv: list[str] | None = None) -> dict:
         cluster.shutdown()
         payload.clear(trace_dir)
         os.rmdir(trace_dir)
-    text = (f"{row['name']}: graph {row['graph_s']:.2f} s ({row['graph_ratio']:.2f}x raw), tasks "
-            f"{row['tasks_s']:.2f} s ({row['tasks_ratio']:.2f}x raw), raw {row['raw_s']:.2f} s; "
+    text = (f"{row['name']}: twinkle_ray {row['twinkle_s']:.2f} s ({row['ratio']:.2f}x raw), "
+            f"raw {row['raw_s']:.2f} s; "
             f"bytes to node B {json.dumps({k: v['to_consumers'] for k, v in traffic.items()})}, "
             f"via driver/dispatchers "
             f"{json.dumps({k: v['via_driver'] + v['via_dispatchers'] for k, v in traffic.items()})}")

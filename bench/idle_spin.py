@@ -1,9 +1,8 @@
-"""What an idle gang costs its neighbours, per call path (why the graph path is opt-in).
+"""What an idle gang costs its neighbours: nothing may spin while it waits for calls.
 
     .venv/bin/python -m bench.idle_spin [--idle-s 5] [--calls 300]
 
-For a 4-worker CPU gang on each path (actor tasks, the default; the Compiled
-Graph, ``compiled=True``) it prints:
+For a 4-worker CPU gang it prints:
 
 - the CPU-seconds its processes (workers and dispatcher, read from
   ``/proc/<pid>/stat``) use while the gang waits ``--idle-s`` seconds for a
@@ -12,8 +11,9 @@ Graph, ``compiled=True``) it prints:
   actors and the time of a fixed pure-Python loop in the driver (neighbouring
   work, latency-bound and CPU-bound), beside the same with no gang alive.
 
-Ray 2.60's graph channel readers wait by spinning, so on a small machine an
-idle compiled gang slows everything else on its node. Linux only (``/proc``).
+An idle gang waits in Ray's task queues, so its CPU use stays near zero. (The
+removed Compiled Graph path failed this: its channel readers spin, 5.05-9.4
+CPU-s per 5 idle s for a 4-worker gang.) Linux only (``/proc``).
 """
 
 from __future__ import annotations
@@ -29,16 +29,11 @@ import twinkle_ray as twinkle
 from twinkle_ray import DeviceGroup, remote_class, remote_function
 
 
-@remote_class(compiled=False)
+@remote_class()
 class Idle:
     @remote_function(dispatch="all", collect="none")
     def noop(self) -> None:
         return None
-
-
-@remote_class(compiled=True)
-class IdleGraph(Idle):
-    pass
 
 
 @ray.remote(num_cpus=0)
@@ -87,26 +82,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
         compute_s()
         rows.append({"gang": "none", "neighbour_ms": fan_out_ms(neighbours, args.calls),
                      "compute_s": min(compute_s() for _ in range(3))})
-        for path, cls in (("tasks", Idle), ("graph", IdleGraph)):
-            gang = cls(remote_group="idle")
-            gang.noop()()
-            topo = gang.topology()
-            pids = [r["pid"] for r in topo["ranks"]] + [topo["dispatcher_pid"]]
-            time.sleep(1.0)  # start-up settles
-            before = sum(cpu_seconds(p) for p in pids)
-            time.sleep(args.idle_s)
-            used = sum(cpu_seconds(p) for p in pids) - before
-            rows.append({"gang": path, "idle_cpu_s": used, "idle_s": args.idle_s,
-                         "neighbour_ms": fan_out_ms(neighbours, args.calls),
-                         "compute_s": min(compute_s() for _ in range(3))})
-            gang.close()
+        gang = Idle(remote_group="idle")
+        gang.noop()()
+        topo = gang.topology()
+        pids = [r["pid"] for r in topo["ranks"]] + [topo["dispatcher_pid"]]
+        time.sleep(1.0)  # start-up settles
+        before = sum(cpu_seconds(p) for p in pids)
+        time.sleep(args.idle_s)
+        used = sum(cpu_seconds(p) for p in pids) - before
+        rows.append({"gang": "idle", "idle_cpu_s": used, "idle_s": args.idle_s,
+                     "neighbour_ms": fan_out_ms(neighbours, args.calls),
+                     "compute_s": min(compute_s() for _ in range(3))})
+        gang.close()
     finally:
         twinkle.shutdown()
     base, work = rows[0]["neighbour_ms"], rows[0]["compute_s"]
     print(f"no gang alive: raw Ray no-op fan-out to 4 actors {base:.2f} ms, "
           f"a fixed pure-Python loop {work:.3f} s")
     for r in rows[1:]:
-        print(f"4-worker gang, {r['gang']} path, idle: {r['idle_cpu_s']:.2f} CPU-s in {r['idle_s']:g} s; "
+        print(f"4-worker gang, idle: {r['idle_cpu_s']:.2f} CPU-s in {r['idle_s']:g} s; "
               f"beside it the fan-out {r['neighbour_ms']:.2f} ms ({r['neighbour_ms'] / base:.2f}x), "
               f"the loop {r['compute_s']:.3f} s ({r['compute_s'] / work:.2f}x)")
     return rows

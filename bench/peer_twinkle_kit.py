@@ -20,8 +20,7 @@ ncpu_proc_per_node`` on a node). Every figure is a median of interleaved runs
   MASTER_ADDR on CPU), both without torch.distributed, and both with gloo
   (twinkle-kit: the class's ``__init__`` calls ``init_process_group`` with a
   port the driver picks, as a user of it would).
-- **per call**: a no-op on 4 workers, call + result, on twinkle_ray's default
-  task path and on its Compiled Graph path (``compiled=True``). Also the same twinkle-kit
+- **per call**: a no-op on 4 workers, call + result. Also the same twinkle-kit
   actors called with plain Ray, and the *one-hop floor* (``bench.whatif.Hop``:
   a bare forwarding actor in front of those actors, refs back).
 - **flow**: a producer gang (4 workers, dp=4, ``collect='flatten'``) returns a
@@ -135,9 +134,8 @@ class _TrBase:
         return _slice_sum(batch)
 
 
-TrWorker = tr_remote_class(compiled=False)(type("TrWorker", (_TrBase,), {}))  # default: gloo when > 1 worker
-TrPlain = tr_remote_class(distributed=False, compiled=False)(type("TrPlain", (_TrBase,), {}))
-TrGraph = tr_remote_class(distributed=False, compiled=True)(type("TrGraph", (_TrBase,), {}))
+TrWorker = tr_remote_class()(type("TrWorker", (_TrBase,), {}))  # default: gloo when > 1 worker
+TrPlain = tr_remote_class(distributed=False)(type("TrPlain", (_TrBase,), {}))
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -216,13 +214,11 @@ def bench_call(repeats: int) -> list[dict]:
     n = 4
     tk = TkWorker(device_mesh=TkMesh.from_sizes(dp_size=n), remote_group="tk_call", instance_id="call")
     trg = TrPlain(device_mesh=TrMesh.from_sizes(dp_size=n), remote_group="tr_call")
-    trc = TrGraph(device_mesh=TrMesh.from_sizes(dp_size=n), remote_group="tr_call")  # same bundles
     tk.noop()()
     hop = Hop.options(max_concurrency=1000).remote(tk._actors)
     actors = tk._actors
     sides = {
         "twinkle_ray": lambda: trg.noop().get(),
-        "graph": lambda: trc.noop().get(),
         "twinkle_kit": lambda: tk.noop()(),
         "raw": lambda: ray.get([a.noop.remote() for a in actors]),
         "floor": lambda: ray.get(ray.get(hop.refs.remote())),
@@ -230,20 +226,18 @@ def bench_call(repeats: int) -> list[dict]:
     s = compare_many(sides, repeats=repeats, warmup=10)
     med = {k: statistics.median(v) for k, v in s.items()}
     rows = []
-    for key, label in (("twinkle_ray", "per call: no-op on 4 workers, call + result (task path)"),
-                       ("graph", "per call, the same on the Compiled Graph path (compiled=True)"),
+    for key, label in (("twinkle_ray", "per call: no-op on 4 workers, call + result"),
                        ("raw", "  plain Ray on twinkle-kit's actors (its floor)"),
                        ("floor", "  one-hop floor: bare forwarding actor in front of them, refs back")):
         ratio, paired = ratios(s[key], s["twinkle_kit"])
         row = {"name": label, "twinkle_ray_s": med[key], "twinkle_kit_s": med["twinkle_kit"],
                "ratio": ratio, "paired_ratio": paired, "samples": s[key]}
-        if key in ("twinkle_ray", "graph"):
+        if key == "twinkle_ray":
             fr, fp = ratios(s[key], s["floor"])
             row.update(vs_floor=fr, vs_floor_paired=fp, target="<= 1.0x one-hop floor", ok=fr <= 1.0,
                        twinkle_kit_samples=s["twinkle_kit"])
         rows.append(row)
     trg.close()
-    trc.close()
     for a in actors:
         ray.kill(a, no_restart=True)
     ray.kill(hop)

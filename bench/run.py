@@ -36,9 +36,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _start_ray() -> None:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    # The rows without a suffix time the Compiled Graph path (opt-in for users); their
-    # ", task path" twins, made with TWINKLE_COMPILED=0, time the default path.
-    os.environ["TWINKLE_COMPILED"] = "1"
     # Workers import the bench's classes by name: put the repo root on their path.
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]

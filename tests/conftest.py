@@ -4,8 +4,7 @@
 machine has 2 cores; virtual CPUs only let more actors be placed).
 ``runtime`` gives a test a fresh twinkle_ray runtime on that Ray and, after
 the test, shuts it down and checks that nothing of ours is left: no live
-actor in the test namespace and no placement group of ours. ``call_path``
-runs the ordering, failure and recovery modules on both call paths.
+actor in the test namespace and no placement group of ours.
 """
 
 from __future__ import annotations
@@ -27,37 +26,6 @@ NAMESPACE = "twinkle-tests"
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 NUM_GPUS = 8
 NUM_CPUS = 16
-
-
-# Modules whose tests run on both call paths (actor tasks, the default, and the Compiled
-# Graph with TWINKLE_COMPILED=1); test_compiled runs on the graph; every other module runs on
-# the default path.
-BOTH_PATHS = ("test_ordering", "test_failures", "test_recovery")
-GRAPH_PATH = ("test_compiled",)
-
-
-def pytest_generate_tests(metafunc):
-    # Only tests that call gangs through the module's fixtures: a test that shuts the session's
-    # runtime down itself (e.g. a gang that fails to start) runs once, on the default path.
-    uses_gangs = {"gang", "runtime"} & set(metafunc.fixturenames)
-    if uses_gangs and metafunc.module.__name__.rsplit(".", 1)[-1] in BOTH_PATHS:
-        metafunc.parametrize("call_path", ["graph", "tasks"], indirect=True, scope="module")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def call_path(request):
-    """The call path gangs created in this module use ('tasks', the default, unless the module
-    is in GRAPH_PATH or parametrized): set as TWINKLE_COMPILED, which the driver reads when it
-    creates a gang."""
-    module = request.module.__name__.rsplit(".", 1)[-1]
-    path = getattr(request, "param", "graph" if module in GRAPH_PATH else "tasks")
-    old = os.environ.get("TWINKLE_COMPILED")
-    os.environ["TWINKLE_COMPILED"] = "0" if path == "tasks" else "1"
-    yield path
-    if old is None:
-        os.environ.pop("TWINKLE_COMPILED", None)
-    else:
-        os.environ["TWINKLE_COMPILED"] = old
 
 
 @pytest.fixture(scope="session")

@@ -43,6 +43,15 @@ def test_unknown_modes_fail_at_decoration():
         remote_class(execute="rank0")
 
 
+def test_compiled_graph_path_was_removed():
+    for value in (True, False, None):
+        with pytest.raises(TypeError, match=r"remote_class\(compiled=...\): the Compiled Graph call "
+                                            r"path was removed.*maintenance mode.*busy-spin"):
+            remote_class(compiled=value)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['colour'\]"):
+        remote_class(colour="red")
+
+
 def test_overlapping_explicit_ranks():
     with pytest.raises(ValueError, match=r"'a'.*'b'.*\[2, 3\]|'b'.*'a'.*\[2, 3\]"):
         initialize("local", groups=[DeviceGroup("a", [0, 1, 2, 3]), DeviceGroup("b", [2, 3, 4, 5])])

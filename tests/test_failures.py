@@ -173,6 +173,19 @@ def test_timeout_names_late_ranks(gang):
     assert gang.sleep(0)() == [0, 1]  # the gang is still usable afterwards
 
 
+def test_timeout_says_a_call_has_not_started(gang):
+    # Rank 1 raises, rank 0 returns: the dispatcher's stuck check holds the next call for the
+    # grace period (3 s), so that call is not on any rank when its 0.5 s timeout ends.
+    with pytest.raises(KeyError):
+        gang.boom(1)()
+    queued = gang.sleep(0)
+    with pytest.raises(CallTimeoutError, match=r"Fragile.sleep\(\) on group 'f': not started on "
+                                               r"any rank within 0.5s") as info:
+        queued.get(timeout=0.5)
+    assert info.value.ranks == []
+    assert queued.get() == [0, 1]  # it still runs, in its turn
+
+
 def test_user_exception_keeps_its_type_and_names_rank(gang):
     with pytest.raises(KeyError, match="boom from rank 1") as info:
         gang.boom(1)()

@@ -69,9 +69,6 @@ def test_gang_metrics_reach_the_prometheus_endpoint_and_tasks_are_named(runtime,
     from ray.util.state import list_actors, list_tasks
 
     assert metrics_enabled()  # the default
-    # Task names exist where calls are actor tasks: the task path. (Graph calls are executions
-    # of the gang's compiled graph, not tasks; their metrics come from the same worker code.)
-    monkeypatch.setenv("TWINKLE_COMPILED", "0")
     runtime.initialize(groups=[DeviceGroup("metrics", 2, "cpu"), DeviceGroup("metrics_off", 1, "cpu")])
     gang = Metered(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="metrics")
     monkeypatch.setenv("TWINKLE_METRICS", "0")  # read where a gang is created

@@ -118,3 +118,33 @@ def test_concurrent_callers_get_one_total_order(runtime):
     assert sorted(seqs) == list(range(1, total + 1)), "every call runs exactly once"
     gang.close()
     caller.close()
+
+
+@remote_class()
+class Noted:
+    """2 ranks that note every call and every save in the order they run them."""
+
+    def __init__(self):
+        self.log: list = []
+
+    @remote_function(dispatch="all", collect="first")
+    def note(self, x: int, seconds: float = 0.0) -> list:
+        time.sleep(seconds)
+        self.log.append(x)
+        return list(self.log)
+
+    def state_dict(self) -> dict:
+        self.log.append("saved")
+        return {"log": list(self.log)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.log = list(state["log"])
+
+
+def test_save_state_takes_its_place_in_the_call_order(runtime):
+    runtime.initialize(groups=[DeviceGroup("ord_save", 2, "cpu")])
+    gang = Noted(remote_group="ord_save")
+    gang.note(1, 0.3)  # still running when save_state is sent
+    gang.save_state()
+    assert gang.note(2)() == [1, "saved", 2]
+    gang.close()

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import ray
 
 from conftest import leftovers, live_actors
 from twinkle_ray import (
@@ -50,7 +51,16 @@ def by_data_rank(xs, mesh):
 @remote_class()
 class Probe:
     def __init__(self, device_mesh: DeviceMesh):
+        import torch
+
+        torch.set_grad_enabled(False)  # thread-local: calls must run under it too
         self.mesh = device_mesh
+
+    @remote_function(dispatch="all", collect="none")
+    def grad_enabled(self) -> bool:
+        import torch
+
+        return torch.is_grad_enabled()
 
     @remote_function(dispatch="all", collect="none")
     def env(self) -> dict:
@@ -309,6 +319,7 @@ def test_lazy_result_protocol(gangs):
     out = a.double([1, 2, 3, 4])
     assert isinstance(out, LazyResult)
     assert len(out.refs) == 4 and out.ranks == [0, 1, 2, 3]
+    assert all(isinstance(r, ray.ObjectRef) for r in out.refs) and ray.get(out.refs) == [[2], [4], [6], [8]]
     assert len(out) == 4 and list(out) == [2, 4, 6, 8] and out.get() == out()
     assert get(out) == [2, 4, 6, 8] and get(5) == 5
     assert "double" in repr(out)
@@ -364,6 +375,15 @@ def test_topology_picture(gangs):
     text = get_device_placement()
     assert "group 'a': 4 worker(s), gpu" in text and "gang b/Probe: 4 worker(s), backend gloo" in text
     assert text.count("node 127.0.0.1") == 8
+    # topology() names the dispatcher's own process: alive, and neither a worker nor this one
+    topo = gangs[0].topology()
+    pid = topo["dispatcher_pid"]
+    assert pid not in [r["pid"] for r in topo["ranks"]] + [os.getpid()]
+    os.kill(pid, 0)  # raises if no such process
+
+
+def test_calls_run_under_the_thread_state_init_left(gangs):
+    assert gangs[0].grad_enabled()() == [False] * 4
 
 
 def test_batch_too_small_raises_before_running(gangs):

@@ -84,6 +84,10 @@ MULTINODE = textwrap.dedent(
 
     @remote_class()
     class W:
+        @remote_function(dispatch="slice", collect="flatten")
+        def double(self, xs):
+            return [2 * x for x in xs]
+
         @remote_function(dispatch="all", collect="none")
         def where(self):
             import torch, torch.distributed as dist
@@ -99,6 +103,7 @@ MULTINODE = textwrap.dedent(
         twinkle.initialize(address=cluster.address, groups=[DeviceGroup("g", 4, "cuda")])
         w = W(remote_group="g")
         print("RESULT " + json.dumps(w.where()()))
+        print("CHAINED " + json.dumps(w.double(w.double(list(range(8))))()))  # across raylets
         try:  # a node-local gang larger than any node: refused at once
             twinkle.initialize(groups=[DeviceGroup("packed", 4, "cuda", strategy="STRICT_PACK")])
         except twinkle.PlacementError as e:
@@ -134,6 +139,8 @@ def test_multinode_gang_spans_two_nodes():
     # (node, device) order: devices ascend within each node
     assert [r["CUDA_VISIBLE_DEVICES"] for r in rows] == ["0", "1", "0", "1"]
     assert {r["sum"] for r in rows} == {4.0}  # gloo all-reduce across both nodes
+    chained = next((x for x in stdout.splitlines() if x.startswith("CHAINED ")), "CHAINED null")
+    assert json.loads(chained[len("CHAINED "):]) == [4 * x for x in range(8)]
     placement = next((x for x in stdout.splitlines() if x.startswith("PLACEMENT ")), "")
     assert "group 'packed' (STRICT_PACK): needs {CPU: 4, GPU: 4} on one node" in placement
     assert "largest node has {CPU: 2, GPU: 2}" in placement

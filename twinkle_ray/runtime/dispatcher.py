@@ -9,28 +9,14 @@ caller's **turn** (each caller's calls in the order it made them), the gang's
 :class:`~twinkle_ray.runtime.message.WorkerCall`, LazyResult arguments routed
 without waiting for their values) and the **submit**.
 
-Submit, the task path (the default): one actor task per target rank, in the
-gang's order; it returns the output refs at once. The graph path
-(``remote_class(compiled=True)`` or ``TWINKLE_COMPILED=1``): the dispatcher
-compiles one Ray Compiled Graph over its workers at start and after every rebuild
-(:mod:`~twinkle_ray.runtime.graph`), and a call is one execution of it. Its
-outputs: a result up to 64 KiB pickled comes back by value (as bytes this actor
-never unpickles); a larger one stays in its
-worker until the dispatcher submits that worker's ``take`` task, whose return
-is the output: a Ray object on the worker's node, owned by this actor, whose
-lifetime Ray's reference counting decides as for any task output (a ref
-passed through a graph channel registers no borrower, so a worker-side
-``ray.put`` would be freed under its consumers). ``save_state`` runs as actor
-tasks between executions. A graph that did not compile falls back to the task
-path.
+Submit: one actor task per target rank, in the gang's order (Ray keeps one
+submitter's tasks to an actor in order); it returns the output refs at once.
 
 Failures: a watch task per worker tells it within milliseconds when one
-dies; a worker whose call raised reports it (and, on the graph path, hands
-over its exception, which answers the call at once), and ranks of that call
-still running ``stuck_grace_s`` later are presumed stuck in a collective.
-Either way the gang is torn down whole (survivors are never trusted inside a
-collective; the graph goes with it, workers killed first, its teardown never
-awaited), the first error is kept for callers, and the gang is rebuilt on
+dies; a worker whose call raised reports it, and ranks of that call still
+running ``stuck_grace_s`` later are presumed stuck in a collective. Either
+way the gang is torn down whole (survivors are never trusted inside a
+collective), the first error is kept for callers, and the gang is rebuilt on
 ``restart()`` or automatically up to ``max_restarts`` times, with the state
 last saved by ``save_state()`` restored on every rank before the next call.
 
@@ -62,9 +48,7 @@ from .errors import (
     classify_death,
     death_cause,
 )
-from .graph import GangGraph
 from .lazy import END_OF_ITERATION, CallOutput, GangRef
-from .message import Kept, Raised
 from .metrics import GangMetrics
 from .placement import check_named_nodes, refresh_slots, remove
 from .restarts import RestartMetrics, RestartPolicy
@@ -85,9 +69,6 @@ TURN_WAIT_S = 60.0  # how long a call waits for its caller's previous call to ar
 OUTAGE_POLL_S = 0.5
 OUTAGE_LIMIT_S = 30.0
 PLACEMENT_POLL_S = 0.5
-# How long a broken graph's calls wait for the watcher to name the death: a lost node is
-# declared dead by Ray's health checks (about 15 s by default), an outage after OUTAGE_LIMIT_S.
-GRAPH_DEATH_WAIT_S = OUTAGE_LIMIT_S + 10.0
 
 
 class Dispatcher:
@@ -130,10 +111,6 @@ class Dispatcher:
         self.ids_now: list[str] = []  # current workers' actor ids
         self.death_by_actor: dict[str, WorkerDiedError] = {}  # each generation's death, by actor
         self.rebuild_error: str | None = None  # why the last automatic rebuild failed
-        self.graph: GangGraph | None = None  # the gang's compiled graph (None: the task path)
-        self.path = "tasks"  # how calls reach the workers, as describe() reports it
-        # graph calls not answered yet: number -> (caller's turn, target ranks, the answer)
-        self._pending: dict[int, tuple[tuple | None, list[int], asyncio.Future]] = {}
         # (node id, ip) of this actor: named in its death and in topology()
         self.node = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
 
@@ -221,7 +198,6 @@ class Dispatcher:
             ) from None
         self.backend = started[0][0]
         self.pids = [pid for _, pid in started]
-        self._compile_graph()
         self.dead = None
         self._watch_task = asyncio.ensure_future(self._watch(gen, list(self.workers)))
         return self.describe()
@@ -262,7 +238,6 @@ class Dispatcher:
                 ray.kill(w, no_restart=True)
             except Exception:  # already dead
                 logger.debug("kill of a dead worker", exc_info=True)
-        self._close_graph()
 
     # -- health --------------------------------------------------------------------------------
     async def _watch(self, gen: int, workers: list) -> None:
@@ -485,10 +460,9 @@ class Dispatcher:
         ``path``) for the restore after a rebuild. Taken in call order; returns the rank count."""
         async with self._turn(turn):
             workers = await self._running_workers()
-            async with self._graph_paused():  # actor tasks, in order with the graph's calls
-                self.seq += 1
-                outs = [w.save_state.options(num_returns=2).remote(path) for w in workers]
-                await _all_or_first_error([ok for _, ok in outs])  # tiny flags; states stay put
+            self.seq += 1
+            outs = [w.save_state.options(num_returns=2).remote(path) for w in workers]
+            await _all_or_first_error([ok for _, ok in outs])  # tiny flags; states stay put
         self.saved = [state for state, _ in outs]
         return len(outs)
 
@@ -552,7 +526,6 @@ class Dispatcher:
             "group": g.name,
             "cls": self.spec.cls_name,
             "backend": self.backend,
-            "path": self.path,
             "generation": self.generation,
             "restarts": self.restarts,
             "dead": str(self.dead) if self.dead else None,
@@ -610,24 +583,14 @@ class Dispatcher:
                 method, per_worker, dispatch, execute, caller, len(workers),
                 wait_meta=wait_meta, collect=collect,
             )
-            answer = await self._submit(plan, workers, turn)  # 4. submit
-            self._routing().remember(turn[:2] if turn else None, answer)
-        out = await answer
+            out = self._submit(plan, workers)  # 4. submit
+            self._routing().remember(turn[:2] if turn else None, out)
         if wait_meta:
             out.ended = any(m == END_OF_ITERATION for m in await _values(out.metas))
         return out
 
-    async def _submit(self, plan: CallPlan, workers: list, turn: tuple | None) -> asyncio.Future:
-        """Send a planned call to its ranks: through the gang's compiled graph, or as actor
-        tasks when it has none. Returns a future of the call's CallOutput."""
-        if self.graph is not None:
-            return await self._submit_graph(self.graph, plan, workers, turn)
-        answer = asyncio.get_running_loop().create_future()
-        answer.set_result(self._submit_tasks(plan, workers))
-        return answer
-
-    def _submit_tasks(self, plan: CallPlan, workers: list) -> CallOutput:
-        """Send a planned call to its ranks as actor tasks (the task path); takes the next
+    def _submit(self, plan: CallPlan, workers: list) -> CallOutput:
+        """Send a planned call to its ranks: one actor task per target rank; takes the next
         number in the gang's one order. Returns at once with the output refs."""
         self.seq += 1
         if self.metrics is not None:
@@ -643,134 +606,7 @@ class Dispatcher:
             refs.append(payload)
         return CallOutput(refs=refs, metas=metas, workers=list(plan.targets))
 
-    # -- the graph path --------------------------------------------------------------------------
-    def _compile_graph(self) -> None:
-        """Compile the gang's graph (at start and after every rebuild); on failure, or with
-        ``compiled`` off, calls go through actor tasks."""
-        self.graph, self.path = None, "tasks"
-        if not self.spec.compiled:
-            return
-        try:
-            self.graph = GangGraph.compile(self.workers)
-            self.path = "graph"
-        except Exception as e:  # e.g. channels Ray cannot set up between these workers
-            text = str(e).splitlines()[0][:300] if str(e) else ""
-            self.path = f"tasks (the graph did not compile: {type(e).__name__}: {text})"
-            logger.warning("gang %s: calls go through actor tasks: %s", self.spec.label, self.path)
-
-    def _close_graph(self) -> None:
-        """Tear the graph down (its workers are dead or killed: never waits) and answer the
-        calls still in it with the gang's error."""
-        graph, self.graph = self.graph, None
-        if graph is not None:
-            graph.teardown()
-        error = self.dead or RuntimeError(f"gang {self.spec.label} is not running (stopped)")
-        for _, _, answer in self._pending.values():
-            if not answer.done():
-                answer.set_exception(error)
-        self._pending.clear()
-
-    @contextlib.asynccontextmanager
-    async def _graph_paused(self):
-        """Around actor tasks of the gang: in-flight graph calls end first, the next waits."""
-        graph = self.graph
-        if graph is None:
-            yield
-            return
-        async with graph.exclusive():
-            yield
-
-    async def _submit_graph(self, graph: GangGraph, plan: CallPlan, workers: list,
-                            turn: tuple | None) -> asyncio.Future:
-        """One execution of the graph for a planned call (waits for an in-flight slot)."""
-        async with graph.order():
-            if graph is not self.graph:  # torn down while this call waited for its slot
-                raise self.dead or RuntimeError(f"gang {self.spec.label} is not running")
-            self.seq += 1
-            seq = self.seq
-            if self.metrics is not None:
-                self.metrics.called(plan.method)
-            inputs: list = [None] * graph.n
-            for i, msg in zip(plan.targets, plan.messages(seq), strict=True):
-                inputs[i] = msg
-            # Registered before the execution starts: a rank may raise (rank_raised) while
-            # later ranks' inputs are still being written. Keyed by (caller, number), as
-            # LazyResult asks for it (late_ranks).
-            answer = asyncio.get_running_loop().create_future()
-            self._pending[seq] = (turn[:2] if turn else None, list(plan.targets), answer)
-            try:
-                done = await graph.start(inputs)
-            except Exception as e:
-                self._pending.pop(seq, None)
-                raise self.dead or RuntimeError(f"gang {self.spec.label}: its compiled graph "
-                                                f"failed: {e}") from None
-        asyncio.ensure_future(self._answer(done, seq, plan, workers, answer))
-        return answer
-
-    async def _answer(self, done: asyncio.Future, seq: int, plan: CallPlan, workers: list,
-                      answer: asyncio.Future) -> None:
-        """Turn an execution's per-rank outputs into the call's CallOutput: small results by
-        value, large ones as Ray objects made by the worker's ``take`` task (kept on its node,
-        owned by this actor, so Ray counts their references as for any task output)."""
-        try:
-            result = await done
-            broken = result if isinstance(result, BaseException) else next(
-                (r for r in result if isinstance(r, BaseException)), None)  # a rank's channel
-            if broken is not None:
-                error = await self._graph_error(broken)
-                if not answer.done():
-                    answer.set_exception(error)
-                return
-            refs, metas = [], []
-            for i in plan.targets:
-                body, meta = result[i]
-                if isinstance(body, Kept):
-                    body = workers[i].take.remote(body.seq)
-                refs.append(body)
-                metas.append(meta)
-            if not answer.done():
-                answer.set_result(CallOutput(refs=refs, metas=metas, workers=list(plan.targets)))
-        finally:
-            self._pending.pop(seq, None)
-
-    async def _graph_error(self, cause: BaseException) -> BaseException:
-        """The error for calls of a broken graph: the gang's death, once the watcher has it."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + GRAPH_DEATH_WAIT_S
-        while self.dead is None and loop.time() < deadline:
-            await asyncio.sleep(0.02)
-        if self.dead is not None:
-            return self.dead
-        return RuntimeError(f"gang {self.spec.label}: its compiled graph failed: "
-                            f"{type(cause).__name__}: {cause}")
-
-    async def rank_raised(self, gen: int, seq: int, raised: Raised) -> None:
-        """A rank's call raised (graph path): answer the call now with that error, without
-        waiting for the other ranks (they may be stuck in a collective; see report_failure)."""
-        entry = self._pending.get(seq)
-        if gen != self.generation or entry is None:
-            return
-        _, targets, answer = entry
-        if not answer.done():
-            refs = [raised if r == raised.rank else None for r in targets]
-            answer.set_result(CallOutput(refs=refs, metas=[None] * len(targets), workers=targets))
-
-    async def late_ranks(self, turn: tuple) -> list[int]:
-        """The ranks still running (or yet to run) the graph call made in ``turn``: what a
-        caller's timeout names."""
-        found = [(seq, targets) for seq, (t, targets, _) in self._pending.items()
-                 if t is not None and tuple(t) == tuple(turn)]
-        if not found:
-            return []
-        seq, targets = found[0]
-        workers = list(self.workers)
-        asks = [asyncio.ensure_future(_quiet(workers[r].progress.remote())) for r in targets]
-        done, _ = await asyncio.wait(asks, timeout=PROGRESS_QUERY_S)
-        late = [r for r, t in zip(targets, asks, strict=True)
-                if t not in done or (t.result() is not None and t.result() <= seq)]
-        return late or list(targets)
-
-    # -- the task path ---------------------------------------------------------------------------
+    # -- submitting and routing -----------------------------------------------------------------
     def _submitters(self, method: str, with_meta: bool, workers: list) -> list:
         """Each worker's bound task method for ``method`` (``run`` with two returns, or
         ``run_value``), named 'group/Class.method' for Ray's task list and timeline unless

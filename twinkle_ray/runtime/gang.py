@@ -21,7 +21,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..core import defaults
 from .dispatcher import RemoteDispatcher
-from .graph import compiled_enabled
 from .proxy import GangProxy, put_large, wait_with_progress
 from .spec import GangSpec
 
@@ -36,7 +35,6 @@ def create_gang(
     distributed: bool | None,
     max_restarts: int,
     stuck_grace_s: float | None = defaults.STUCK_GRACE_S,
-    compiled: bool | None = None,
     group_name: str,
     args: tuple,
     kwargs: dict,
@@ -79,7 +77,6 @@ def create_gang(
         stuck_grace_s=stuck_grace_s,
         execute=execute,
         lazy_collect=runtime.lazy_collect,
-        compiled=compiled_enabled() if compiled is None else compiled,
     )
     dispatcher = new_dispatcher(spec)
     try:

@@ -16,7 +16,6 @@ producers' object stores itself (``resolve_routed`` in the worker).
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,9 +35,6 @@ from ..core.dispatch import collect as collect_results
 from ..core.dispatch import collect_sources, concat, span, take
 from ..core.routing import locate
 from .errors import CallTimeoutError, WorkerDiedError, death_cause
-from .message import Inline, Raised
-
-logger = logging.getLogger(__name__)
 
 END_OF_ITERATION = "twinkle_ray:end-of-iteration"
 DEATH_QUERY_TIMEOUT_S = 5.0
@@ -48,23 +44,14 @@ OUTAGE_WAIT_S = 40.0
 # After a failure, how long to look at the other ranks' outcomes before raising (a peer's death
 # outranks a user error it caused). Stuck ranks are the dispatcher's business (GangStuckError).
 ERROR_GRACE_S = 0.5
-# A plan late with no rank running its call gets this much longer (it may have just ended)
-# before CallTimeoutError says that it has not started.
-PLAN_GRACE_S = 2.0
 
 
 @dataclass
 class CallOutput:
-    """What the dispatcher returns for one call: refs (and small values), never payload.
+    """What the dispatcher returns for one call: the output ObjectRefs of its tasks, never
+    payload."""
 
-    On the task path every output is an ObjectRef. Through a Compiled Graph an
-    output is an ObjectRef (a large result, stored on its worker's node), an
-    :class:`~twinkle_ray.runtime.message.Inline` small result, a
-    :class:`~twinkle_ray.runtime.message.Raised` error, or None (not known:
-    the call was answered early because another rank raised).
-    """
-
-    refs: list  # output per executing worker (see above)
+    refs: list  # output ObjectRef per executing worker
     metas: list  # each output's batch length (or None / END_OF_ITERATION), or an ObjectRef of it
     workers: list[int]  # gang rank of each executing worker
     ended: bool = False  # __next__ reported exhaustion
@@ -223,23 +210,10 @@ class Collected:
 def pull(refs: list, producer: GangRef | None, method: str, ranks: list) -> list:
     """The values of a producer's outputs in a consumer; a failed producer is named, not hidden.
 
-    ObjectRefs are fetched (one ``ray.get``), Inline values taken as they are.
-    A producer worker that died makes this raise the producer gang's
-    WorkerDiedError (group, class, rank); a producer's own exception is
-    re-raised as itself with a note naming the producer.
+    One ``ray.get`` of the refs. A producer worker that died makes this raise
+    the producer gang's WorkerDiedError (group, class, rank); a producer's own
+    exception is re-raised as itself with a note naming the producer.
     """
-    for item, rank in zip(refs, ranks, strict=True):
-        if isinstance(item, Raised) or item is None:
-            raise _raised_error(item, producer, method, rank, []) from None
-    obj = [r for r in refs if isinstance(r, ray.ObjectRef)]
-    got = iter(_pull_refs(obj, producer, method,
-                          [k for r, k in zip(refs, ranks, strict=True) if isinstance(r, ray.ObjectRef)])
-               if obj else [])
-    return [next(got) if isinstance(r, ray.ObjectRef) else r.value if isinstance(r, Inline) else r
-            for r in refs]
-
-
-def _pull_refs(refs: list, producer: GangRef | None, method: str, ranks: list) -> list:
     try:
         return ray.get(refs)
     except RayError:
@@ -256,20 +230,6 @@ def _pull_refs(refs: list, producer: GangRef | None, method: str, ranks: list) -
                          f"of group '{producer.group}') as an input")
             raise err from None
     return ray.get(refs)
-
-
-def resolve_lead(lead: tuple) -> tuple:
-    """A message's leading values, resolved: ObjectRefs fetched (one ``ray.get``; on the task
-    path Ray has done it already), Inline values unwrapped; a Raised one raises its error."""
-    if not lead:
-        return lead
-    for item in lead:
-        if isinstance(item, Raised):
-            raise item.error
-    obj = [x for x in lead if isinstance(x, ray.ObjectRef)]
-    got = iter(ray.get(obj) if obj else [])
-    return tuple(next(got) if isinstance(x, ray.ObjectRef) else x.value if isinstance(x, Inline)
-                 else x for x in lead)
 
 
 def resolve_routed(value: Any, lengths: tuple = ()) -> Any:
@@ -290,52 +250,10 @@ def resolve_routed(value: Any, lengths: tuple = ()) -> Any:
 
 
 def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: float | None,
-          stated: float | None = None):
-    """The values of a call's outputs (see CallOutput), with our error contract: timeouts name
-    ranks, deaths raise WorkerDiedError, a user exception is re-raised as itself with the
-    group/rank/method noted (once, naming the rank that raised)."""
-    unknown = [w for r, w in zip(refs, workers, strict=True) if r is None]
-    for item, rank in zip(refs, workers, strict=True):
-        if isinstance(item, Raised):
-            raise _raised_error(item, gang, method, rank, unknown) from None
-    pos = [k for k, r in enumerate(refs) if isinstance(r, ray.ObjectRef)]
-    if not pos:
-        return [r.value if isinstance(r, Inline) else r for r in refs]
-    got = _fetch_refs([refs[k] for k in pos], [workers[k] for k in pos], gang, method, timeout,
-                      stated)
-    values = [r.value if isinstance(r, Inline) else r for r in refs]
-    for k, v in zip(pos, got, strict=True):
-        values[k] = v
-    return values
-
-
-def _raised_error(item: Raised | None, gang: GangRef | None, method: str, rank: int | None,
-                  running: list) -> BaseException:
-    """The exception a Raised output stands for, noted with where it was raised (once)."""
-    if item is None:
-        return RuntimeError(f"{method}(): the output of rank {rank} is unknown (the call was "
-                            f"answered early because another rank raised)")
-    err = item.error
-    if isinstance(err, WorkerDiedError | CallTimeoutError) or gang is None:
-        return err
-    rank = item.rank if item.rank is not None else rank
-    where = f"rank {rank} of " if rank is not None else ""
-    if hasattr(err, "add_note") and not getattr(err, "_twinkle_noted", False):
-        err.add_note(f"raised in {gang.cls_name}.{method}() on {where}group '{gang.group}'"
-                     + (f"\nremote traceback:\n{item.traceback}" if item.traceback else ""))
-        if running:
-            err.add_note(f"rank(s) {running} are still running; if they are blocked in a "
-                         f"collective, the gang is torn down after its grace period "
-                         f"(GangStuckError)")
-        try:
-            err._twinkle_noted = True
-        except AttributeError:  # an exception type with __slots__: notes may repeat
-            pass
-    return err
-
-
-def _fetch_refs(refs: list, workers: list[int], gang: GangRef, method: str, timeout: float | None,
-                stated: float | None = None):
+          stated: float | None = None) -> list:
+    """The values of a call's output refs, with our error contract: timeouts name ranks,
+    deaths raise WorkerDiedError, a user exception is re-raised as itself with the
+    group/rank/method noted (naming the rank that raised)."""
     if timeout is not None:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
         if len(ready) < len(refs):
@@ -438,31 +356,23 @@ class LazyResult:
         self.timeout = timeout
 
     # -- plan and refs -------------------------------------------------------------------------
-    def plan(self, timeout: float | None = None, _stated: float | None = None) -> CallOutput:
+    def plan(self, timeout: float | None = None) -> CallOutput:
         """The dispatcher's CallOutput (refs only). Raises the call's routing/death errors.
 
-        Through a Compiled Graph the plan comes back when the call has run:
-        past ``timeout`` seconds, CallTimeoutError names the ranks still running,
-        or says that no rank has started it (it waits in the dispatcher behind
-        earlier calls, for an in-flight slot, or for a rebuild of the gang).
+        The dispatcher hands the plan back as soon as it has submitted the
+        call's tasks: past ``timeout`` seconds without it, CallTimeoutError says
+        that no rank has started the call (it waits in the dispatcher, behind
+        its caller's earlier call, a stuck check or the gang's rebuild).
         """
         if self._out is None:
             try:
                 self._out = ray.get(self._plan_ref, timeout=timeout)
             except GetTimeoutError:
-                late = self._late_ranks()
                 where = f"{self.gang.cls_name}.{self.method}() on group '{self.gang.group}'"
-                stated = timeout if _stated is None else _stated
-                if late == [] and _stated is None:  # no rank runs it: it just ended, or it has
-                    return self.plan(PLAN_GRACE_S, stated)  # not started: look once more
-                if late == []:
-                    raise CallTimeoutError(
-                        f"{where}: not started on any rank within {stated:g}s (it waits in the "
-                        f"dispatcher behind earlier calls, for an in-flight slot, or for the "
-                        f"gang's rebuild)", []) from None
                 raise CallTimeoutError(
-                    f"{where}: rank(s) {late or []} did not answer within {stated:g}s",
-                    late or []) from None
+                    f"{where}: not started on any rank within {timeout:g}s (it waits in the "
+                    f"dispatcher, behind its caller's earlier call, a stuck check or the gang's "
+                    f"rebuild)", []) from None
             except RayTaskError as e:
                 if isinstance(e, RaySystemError) or isinstance(e.cause, RaySystemError):
                     # Ray failed the call before it ran: its arguments did not unpickle there
@@ -474,30 +384,10 @@ class LazyResult:
                 raise _unloadable(self, e) from None
         return self._out
 
-    def _late_ranks(self) -> list[int] | None:
-        """The ranks the dispatcher sees still running this call ([]: none; None: unknown)."""
-        d = self.gang.dispatcher
-        if d is None or self._turn is None:
-            return None
-        try:
-            return ray.get(d.late_ranks.remote(self._turn), timeout=DEATH_QUERY_TIMEOUT_S)
-        except Exception:  # the dispatcher is busy or gone: say what we know
-            logger.debug("late_ranks query failed", exc_info=True)
-            return None
-
     @property
     def refs(self) -> list:
-        """Per-rank payload ObjectRefs, in gang-rank order of the executing workers.
-
-        A small output that came back by value is put in the object store here
-        (once); a failed call raises its error.
-        """
-        out = self.plan()
-        if not all(isinstance(r, ray.ObjectRef) for r in out.refs):
-            values = fetch(out.refs, out.workers, self.gang, self.method, None)
-            out.refs = [r if isinstance(r, ray.ObjectRef) else ray.put(v)
-                        for r, v in zip(out.refs, values, strict=True)]
-        return list(out.refs)
+        """Per-rank payload ObjectRefs, in gang-rank order of the executing workers."""
+        return list(self.plan().refs)
 
     @property
     def ranks(self) -> list[int]:

@@ -1,7 +1,6 @@
 """The one message a worker receives for a call: :class:`WorkerCall`.
 
-Whichever way a call reaches a worker (an actor task or a Compiled Graph
-execution), the worker gets the same five fields:
+A call reaches a worker as one actor task carrying five fields:
 
 - ``method``: the name of the method on the user's instance;
 - ``seq``: the gang's call number (the dispatcher's one order; the stuck
@@ -15,14 +14,11 @@ execution), the worker gets the same five fields:
   large values the proxy put, and routed markers (``Pieces``/``Collected``)
   the worker materialises.
 
-As an actor task it travels flattened, so that Ray resolves the ``lead``
-refs as top-level task arguments before the task runs (the transfer is
-Ray's, as with raw direct ref passing)::
+It travels flattened, so that Ray resolves the ``lead`` refs as top-level
+task arguments before the task runs (the transfer is Ray's, as with raw
+direct ref passing)::
 
     worker.run.remote((method, seq, len(lead)), *lead, *args, **kwargs)
-
-Through a Compiled Graph it travels as the object itself (rank ``i`` reads
-input ``i``) and the worker resolves ``lead`` with one ``ray.get``.
 
 Example::
 
@@ -36,7 +32,6 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -64,50 +59,3 @@ class WorkerCall:
         return cls(method, seq, tuple(args[:n]), tuple(args[n:]), dict(kwargs))
 
 
-
-# -- replies through a Compiled Graph ----------------------------------------------------------
-# A rank answers a graph execution with (body, meta): meta is the result's batch length (as in the
-# task form's second return) and body one of the three types below. None: not a target of the call.
-
-
-@dataclass(frozen=True)
-class Inline:
-    """A small result, carried by value (through the graph's channel and in the CallOutput) as
-    its pickled bytes: only whoever reads ``value`` (the caller, or a consumer worker) unpickles
-    it, never the dispatcher in between.
-
-    >>> Inline.of([1, 2]).value
-    [1, 2]
-    """
-
-    data: bytes
-
-    @classmethod
-    def of(cls, value: Any) -> Inline:
-        import ray.cloudpickle
-
-        return cls(ray.cloudpickle.dumps(value))
-
-    @property
-    def value(self) -> Any:
-        import ray.cloudpickle
-
-        return ray.cloudpickle.loads(self.data)
-
-
-@dataclass(frozen=True)
-class Kept:
-    """A large result the worker keeps under the call's number until the dispatcher's ``take``
-    task turns it into a Ray object (owned by the dispatcher, stored on the worker's node)."""
-
-    seq: int
-
-
-@dataclass(frozen=True)
-class Raised:
-    """The user's exception on ``rank`` (with its remote traceback), or an error about the
-    whole call (``rank`` None: e.g. the gang died under it)."""
-
-    error: BaseException
-    rank: int | None
-    traceback: str = ""

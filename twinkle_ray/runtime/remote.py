@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 from ..core import defaults
 from ..core.dispatch import check_execute
@@ -36,7 +37,7 @@ def remote_class(
     distributed: bool | None = None,
     max_restarts: int = 0,
     stuck_grace_s: float | None = defaults.STUCK_GRACE_S,
-    compiled: bool | None = None,
+    **removed: Any,
 ) -> Callable[[type], type]:
     """Make a class constructible as a gang: ``Cls(..., remote_group='name')``.
 
@@ -53,30 +54,24 @@ def remote_class(
     gang is torn down (``GangStuckError``) and rebuilt as after a death, so no
     later call waits on them. None: never (stuck ranks then wait for
     torch.distributed's own timeout).
-    compiled: send the gang's calls through one Ray Compiled Graph owned by
-    its dispatcher instead of one actor task per rank (about 1.7x cheaper per
-    call, but Ray 2.60's channel readers spin a CPU core per worker and one in
-    the dispatcher while the gang waits for calls; see the Concepts page).
-    None (default): ``TWINKLE_COMPILED=1`` where the gang is created turns it
-    on, else actor tasks.
+    ``compiled=`` (any value) raises TypeError: the Compiled Graph path was
+    removed (see the Concepts page); calls are actor tasks.
 
     Example::
 
-        @remote_class(compiled=True)   # a hot loop of small calls
-        class Sampler: ...
+        @remote_class(max_restarts=2)
+        class Trainer: ...
 
     Without ``remote_group``, in local mode, or inside a worker, the class
     is built in-process exactly as written.
     """
+    _reject_removed(removed)
     check_execute(execute)
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
-    if compiled not in (None, True, False):
-        raise ValueError(f"compiled must be None, True or False, got {compiled!r}")
     if stuck_grace_s is not None and stuck_grace_s <= 0:
         raise ValueError(f"stuck_grace_s must be positive or None, got {stuck_grace_s!r}")
-    options = dict(distributed=distributed, max_restarts=max_restarts, stuck_grace_s=stuck_grace_s,
-                   compiled=compiled)
+    options = dict(distributed=distributed, max_restarts=max_restarts, stuck_grace_s=stuck_grace_s)
 
     def decorate(cls: type) -> type:
         original_init = cls.__init__
@@ -100,3 +95,22 @@ def remote_class(
         return cls
 
     return decorate
+
+
+def _reject_removed(removed: dict) -> None:
+    """TypeError for ``compiled=`` (the removed Compiled Graph path) or any other unknown keyword.
+
+    >>> try:
+    ...     _reject_removed({"compiled": False})
+    ... except TypeError as e:
+    ...     print(str(e)[:58])
+    remote_class(compiled=...): the Compiled Graph call path w
+    """
+    if "compiled" in removed:
+        raise TypeError(
+            "remote_class(compiled=...): the Compiled Graph call path was removed; calls are "
+            "actor tasks, one per rank. Ray put Compiled Graphs in maintenance mode, and their "
+            "channel readers busy-spin, so an idle compiled gang kept a CPU core per worker "
+            "busy. Drop the argument.")
+    if removed:
+        raise TypeError(f"remote_class() got unexpected keyword argument(s) {sorted(removed)}")

@@ -4,7 +4,7 @@ The dispatcher takes a call's turn and checks the gang's health; then the
 :class:`Router` turns the call into a :class:`CallPlan` (the ranks that run
 it and, per rank, the leading values and arguments of its
 :class:`~twinkle_ray.runtime.message.WorkerCall`), and the dispatcher submits
-the plan (as actor tasks, or as one Compiled Graph execution). Planning
+the plan (one actor task per rank). Planning
 routes LazyResult arguments without waiting for their values: only for the
 producer's plan (refs), which its dispatcher returns at once, or which this
 gang keeps for its own recent calls.
@@ -18,7 +18,6 @@ Example (what the dispatcher does)::
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -89,15 +88,15 @@ class Router:
     def __init__(self, spec: Any, own: GangRef):
         self.spec = spec
         self.own = own  # this gang, as producer of its own inputs (see proxy._strip_own_gang)
-        # turn -> the call's output, or a future of it (a graph call still running)
-        self.recent: OrderedDict[tuple[str, int], CallOutput | asyncio.Future] = OrderedDict()
+        # turn -> the call's output (its refs), for routing it into later calls here
+        self.recent: OrderedDict[tuple[str, int], CallOutput] = OrderedDict()
         self._data_ranks: dict[int, tuple[int, list[int]]] = {}  # gang size -> slice_dp layout
         # dispatchers of the gangs whose outputs this gang took as inputs: a death of one of
         # their workers can fail this gang's calls, and they know which of theirs it was
         self.producers: dict[tuple[str, str], Any] = {}
 
-    def remember(self, turn: tuple[str, int] | None, out: CallOutput | asyncio.Future) -> None:
-        """Keep a call's output (or the future of it) for routing it into later calls here."""
+    def remember(self, turn: tuple[str, int] | None, out: CallOutput) -> None:
+        """Keep a call's output for routing it into later calls here."""
         if turn is None:
             return
         self.recent[turn] = out
@@ -158,9 +157,7 @@ class Router:
         own window from them.
         """
         out = lazy._out or self.recent.get(lazy._turn)
-        if isinstance(out, asyncio.Future):  # this gang's own call, still in its graph
-            out = await asyncio.shield(out)
-        elif out is None:
+        if out is None:
             out = await lazy._plan_ref
         mode = lazy.collect
         producer = lazy.gang if lazy.gang is not None else self.own  # see proxy._strip_own_gang

@@ -56,9 +56,6 @@ class GangSpec:
     metrics: bool = field(default_factory=metrics_enabled)
     execute: str = "all"  # the remote_class's execute ('first': a one-worker gang)
     lazy_collect: bool = True  # the session's default: calls return LazyResults
-    # calls through a Compiled Graph, else one actor task per rank; create_gang resolves it
-    # (remote_class(compiled=...), else TWINKLE_COMPILED=1 where the gang is created)
-    compiled: bool = False
 
     @property
     def cls_name(self) -> str:

@@ -24,7 +24,6 @@ import random
 import socket
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -33,19 +32,15 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..core.dispatch import batch_len
-from . import threadstate
-from .lazy import END_OF_ITERATION, resolve_lead, resolve_routed
-from .message import Inline, Kept, Raised, WorkerCall
-from .metrics import GangMetrics, args_nbytes, payload_nbytes
+from .lazy import END_OF_ITERATION, resolve_routed
+from .message import WorkerCall
+from .metrics import GangMetrics, args_nbytes
 from .net import is_loopback, loopback_listener
 from .placement import resource_options
 
 logger = logging.getLogger(__name__)
 
 REPORT_TIMEOUT_S = 5.0
-# Results through a Compiled Graph up to this size come back by value; larger ones stay here
-# until the dispatcher's take() task makes a Ray object of them (see graph_entry).
-INLINE_MAX_BYTES = 64 * 1024
 
 
 @dataclass
@@ -96,9 +91,6 @@ class GangWorker:
         self.instance: Any = None
         self.current: int | None = None  # sequence number of the call running now
         self.metrics = GangMetrics.create(info.metrics, True) if info.metrics else None
-        self._kept: dict[int, Any] = {}  # call number -> a large graph result, until take()
-        self._thread_state: threadstate.TorchThreadState | None = None
-        self._state_threads: set[int] = set()  # threads where _thread_state is in force
 
     def endpoint(self) -> tuple[str, int]:
         """This node's IP and a free TCP port on it (for MASTER_PORT)."""
@@ -132,9 +124,6 @@ class GangWorker:
         args = tuple(resolve_routed(a) for a in args)
         kwargs = {k: resolve_routed(v) for k, v in kwargs.items()}
         self.instance = cls(*args, **kwargs)
-        # Torch's thread-local state as __init__ left it, for the graph's thread (graph_entry).
-        self._thread_state = threadstate.capture()
-        self._state_threads = {threading.get_ident()}
         return backend, os.getpid()
 
     def _init_distributed(self, timeout_s: float) -> str:
@@ -180,7 +169,7 @@ class GangWorker:
         self.current = seq
         m, t0, nbytes, failed = self.metrics, None, 0, True
         try:
-            lead = resolve_lead(call.lead)
+            lead = call.lead  # Ray resolved them: top-level arguments of the task
             args = tuple(resolve_routed(a, lead) for a in call.args)
             kwargs = {k: resolve_routed(v, lead) for k, v in call.kwargs.items()}
             if m is not None:
@@ -207,52 +196,6 @@ class GangWorker:
     def run_value(self, call: str | tuple, *args: Any, **kwargs: Any) -> Any:
         """``run`` without the length record: for calls whose outputs are never sliced by length."""
         return self.run(call, *args, **kwargs)[0]
-
-    def graph_entry(self, call: WorkerCall | None) -> tuple[Any, Any] | None:
-        """The Compiled Graph form of a call; runs on the graph's thread.
-
-        Returns None when this rank is not a target of the call, else (body,
-        meta) with body :class:`~twinkle_ray.runtime.message.Inline` (a result
-        up to ``INLINE_MAX_BYTES``), :class:`~twinkle_ray.runtime.message.Kept`
-        (a larger one, kept here under the call's number until the dispatcher's
-        :meth:`take` task turns it into a Ray object stored on this node) or
-        :class:`~twinkle_ray.runtime.message.Raised` (the call raised: never
-        raised into the graph, which would hand every rank's output the same
-        error). A rank that raised also tells the dispatcher at once, so the
-        caller sees the error while peers may still be stuck in a collective.
-        """
-        if call is None:
-            return None
-        tid = threading.get_ident()
-        if tid not in self._state_threads:  # the first call on this thread
-            threadstate.apply(self._thread_state)
-            self._state_threads.add(tid)
-        try:
-            result, meta = self._execute(call)
-        except BaseException as e:
-            raised = Raised(_picklable(e), self.info.rank, traceback.format_exc())
-            self._tell_raised(call.seq, raised)
-            return raised, None
-        if payload_nbytes(result) <= INLINE_MAX_BYTES:  # arrays, tensors, bytes: counted as is
-            inline = Inline.of(result)  # other objects: by their pickled size
-            if len(inline.data) <= INLINE_MAX_BYTES:
-                return inline, meta
-        self._kept[call.seq] = result
-        return Kept(call.seq), meta
-
-    def take(self, seq: int) -> Any:
-        """The large result of graph call ``seq`` as this task's return (a Ray object on this
-        node, owned by the dispatcher), no longer kept here."""
-        return self._kept.pop(seq)
-
-    def _tell_raised(self, seq: int | None, raised: Raised) -> None:
-        d = self.info.dispatcher
-        if seq is None or d is None:
-            return
-        try:  # no wait: _report already made sure the dispatcher knows of the failure
-            d.rank_raised.remote(self.info.generation, seq, raised)
-        except Exception:
-            logger.debug("could not hand the error to the dispatcher", exc_info=True)
 
     def _report(self, seq: int | None, method: str, error: BaseException) -> None:
         d = self.info.dispatcher
@@ -371,19 +314,6 @@ def _meta(result: Any) -> int | None:
         return batch_len(result)
     except (TypeError, ValueError):  # e.g. a dict whose values differ in length
         return None
-
-
-def _picklable(error: BaseException) -> BaseException:
-    """``error`` if it pickles (it travels back through the graph), else a RuntimeError that
-    names it."""
-    import ray.cloudpickle
-
-    try:
-        ray.cloudpickle.dumps(error)
-        return error
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error} (the exception itself cannot be "
-                            f"pickled)")
 
 
 def _url_host(addr: str) -> str:
