@@ -40,33 +40,37 @@ def remote_class(
 ) -> Callable[[type], type]:
     """Make a class constructible as a gang: ``Cls(..., remote_group='name')``.
 
-    execute: ``'all'`` (one worker per group worker) or ``'first'`` (one
-    worker on the group's first bundle, e.g. a DataLoader); ``'peer'`` is
-    accepted and behaves as ``'all'`` for construction.
-    distributed: initialise torch.distributed in the gang (default: when it
-    has more than one worker); False opts out.
-    max_restarts: rebuild the gang automatically this many times after a
-    worker dies (calls in flight still raise WorkerDiedError); the state last
-    saved with ``save_state()`` is restored on every rank of the new gang.
-    stuck_grace_s: when a call raises on some ranks, ranks of that call still
-    running this many seconds later are presumed stuck in a collective and the
-    gang is torn down (``GangStuckError``) and rebuilt as after a death, so no
-    later call waits on them. None: never (stuck ranks then wait for
-    torch.distributed's own timeout).
-    compiled: send the gang's calls through one Ray Compiled Graph owned by
-    its dispatcher instead of one actor task per rank (about 1.7x cheaper per
-    call, but Ray 2.60's channel readers spin a CPU core per worker and one in
-    the dispatcher while the gang waits for calls; see the Concepts page).
-    None (default): ``TWINKLE_COMPILED=1`` where the gang is created turns it
-    on, else actor tasks.
+    Without ``remote_group``, in local mode, or inside a worker, the class
+    is built in-process exactly as written.
+
+    Args:
+        execute: ``'all'`` (one worker per group worker) or ``'first'`` (one
+            worker on the group's first bundle, e.g. a DataLoader); ``'peer'`` is
+            accepted and behaves as ``'all'`` for construction.
+        distributed: initialise torch.distributed in the gang (default: when it
+            has more than one worker); False opts out.
+        max_restarts: rebuild the gang automatically this many times after a
+            worker dies (calls in flight still raise WorkerDiedError); the state last
+            saved with ``save_state()`` is restored on every rank of the new gang.
+        stuck_grace_s: when a call raises on some ranks, ranks of that call still
+            running this many seconds later are presumed stuck in a collective and the
+            gang is torn down (``GangStuckError``) and rebuilt as after a death, so no
+            later call waits on them. None: never (stuck ranks then wait for
+            torch.distributed's own timeout).
+        compiled: send the gang's calls through one Ray Compiled Graph owned by
+            its dispatcher instead of one actor task per rank (about 1.7x cheaper per
+            call, but Ray 2.60's channel readers spin a CPU core per worker and one in
+            the dispatcher while the gang waits for calls; see the Concepts page).
+            None (default): ``TWINKLE_COMPILED=1`` where the gang is created turns it
+            on, else actor tasks.
+
+    Returns:
+        The class decorator.
 
     Example::
 
         @remote_class(compiled=True)   # a hot loop of small calls
         class Sampler: ...
-
-    Without ``remote_group``, in local mode, or inside a worker, the class
-    is built in-process exactly as written.
     """
     check_execute(execute)
     if max_restarts < 0:
