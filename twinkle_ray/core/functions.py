@@ -97,7 +97,8 @@ def remote_function(
     Returns:
         The method decorator (it wraps the method in a ``RemoteFunction``).
 
-    Example:
+    Example::
+
         >>> class M:
         ...     @remote_function(dispatch="slice_dp", collect="flatten")
         ...     def double(self, xs):
