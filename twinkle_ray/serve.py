@@ -477,15 +477,33 @@ def json_response(content: Any, status: int = 200, headers: dict[str, str] | Non
                     media_type="application/json")
 
 
+UNAVAILABLE_MESSAGE = "replica unavailable: its gang is down or being rebuilt; retry later"
+
+
 def error_response(error: BaseException) -> Any:
     """The JSON error response for ``error``: a BadRequest's own 4xx, 503 for a gang that is
-    dead or being rebuilt, else 500 (the message names only the exception's type)."""
+    dead or being rebuilt, else 500.
+
+    Only a BadRequest's message (about the client's own request) reaches the client. A 503 or
+    500 answers a short fixed text and a ``request_id``; the error itself (node addresses and
+    ids, Ray's death text, another request's exception) goes to the replica's log under that id.
+
+    Example::
+
+        try:
+            return json_response(await self.gang.call(self.gang.proxy.generate, prompts))
+        except Exception as e:
+            return error_response(e)  # {"error": "replica unavailable: ...", "request_id": ...}
+    """
     from .runtime.errors import WorkerDiedError
 
     if isinstance(error, BadRequest):
         return json_response({"error": str(error)}, error.status, error.headers)
+    request_id = uuid.uuid4().hex[:16]
     if isinstance(error, GangUnavailable | WorkerDiedError):
-        return json_response({"error": str(error)}, 503)
-    logger.error("request failed", exc_info=error)
+        logger.warning("request %s answered 503: %s: %s", request_id, type(error).__name__, error)
+        return json_response({"error": UNAVAILABLE_MESSAGE, "request_id": request_id}, 503,
+                             {"Retry-After": "1"})
+    logger.error("request %s failed", request_id, exc_info=error)
     return json_response({"error": f"internal error ({type(error).__name__}); see the replica's "
-                                   f"log"}, 500)
+                                   f"log", "request_id": request_id}, 500)

@@ -80,22 +80,31 @@ def remote_function(
 ) -> Callable[[Callable], RemoteFunction]:
     """Mark a method of a remote class with how calls split, run and join.
 
-    dispatch: ``'slice'`` | ``'all'`` | ``'slice_dp'`` | ``fn(n, i, args, kwargs, mesh)``.
-    execute: ``'all'`` | ``'first'`` | ``'peer'``.
-    collect: ``'none'`` | ``'flatten'`` | ``'mean'`` | ``'sum'`` | ``'first'`` |
-    ``'last_pp'`` | ``'last_pp_first'`` (the first result of the last pipeline stage) |
-    ``fn(results, mesh)``.
-    sync / lazy_collect=False: return the value instead of a LazyResult.
-    timeout: seconds to wait for the result; a CallTimeoutError names late ranks.
-
     Unknown modes raise ValueError here, at decoration time.
 
-    >>> class M:
-    ...     @remote_function(dispatch="slice_dp", collect="flatten")
-    ...     def double(self, xs):
-    ...         return [2 * x for x in xs]
-    >>> M().double([1, 2])
-    [2, 4]
+    Args:
+        dispatch: how the arguments split over the workers: ``'slice'`` |
+            ``'all'`` | ``'slice_dp'`` | ``fn(n, i, args, kwargs, mesh)``.
+        execute: which workers run the call: ``'all'`` | ``'first'`` | ``'peer'``.
+        collect: how the workers' results join: ``'none'`` | ``'flatten'`` |
+            ``'mean'`` | ``'sum'`` | ``'first'`` | ``'last_pp'`` |
+            ``'last_pp_first'`` (the first result of the last pipeline stage) |
+            ``fn(results, mesh)``.
+        sync: return the value instead of a LazyResult.
+        lazy_collect: False does the same as ``sync=True``.
+        timeout: seconds to wait for the result; a CallTimeoutError names late ranks.
+
+    Returns:
+        The method decorator (it wraps the method in a ``RemoteFunction``).
+
+    Example::
+
+        >>> class M:
+        ...     @remote_function(dispatch="slice_dp", collect="flatten")
+        ...     def double(self, xs):
+        ...         return [2 * x for x in xs]
+        >>> M().double([1, 2])
+        [2, 4]
     """
     options = dict(dispatch=dispatch, execute=execute, collect=collect, sync=sync,
                    lazy_collect=lazy_collect, timeout=timeout)

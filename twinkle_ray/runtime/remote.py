@@ -41,29 +41,34 @@ def remote_class(
 ) -> Callable[[type], type]:
     """Make a class constructible as a gang: ``Cls(..., remote_group='name')``.
 
-    execute: ``'all'`` (one worker per group worker) or ``'first'`` (one
-    worker on the group's first bundle, e.g. a DataLoader); ``'peer'`` is
-    accepted and behaves as ``'all'`` for construction.
-    distributed: initialise torch.distributed in the gang (default: when it
-    has more than one worker); False opts out.
-    max_restarts: rebuild the gang automatically this many times after a
-    worker dies (calls in flight still raise WorkerDiedError); the state last
-    saved with ``save_state()`` is restored on every rank of the new gang.
-    stuck_grace_s: when a call raises on some ranks, ranks of that call still
-    running this many seconds later are presumed stuck in a collective and the
-    gang is torn down (``GangStuckError``) and rebuilt as after a death, so no
-    later call waits on them. None: never (stuck ranks then wait for
-    torch.distributed's own timeout).
+    Without ``remote_group``, in local mode, or inside a worker, the class
+    is built in-process exactly as written.
+
+    Args:
+        execute: ``'all'`` (one worker per group worker) or ``'first'`` (one
+            worker on the group's first bundle, e.g. a DataLoader); ``'peer'`` is
+            accepted and behaves as ``'all'`` for construction.
+        distributed: initialise torch.distributed in the gang (default: when it
+            has more than one worker); False opts out.
+        max_restarts: rebuild the gang automatically this many times after a
+            worker dies (calls in flight still raise WorkerDiedError); the state last
+            saved with ``save_state()`` is restored on every rank of the new gang.
+        stuck_grace_s: when a call raises on some ranks, ranks of that call still
+            running this many seconds later are presumed stuck in a collective and the
+            gang is torn down (``GangStuckError``) and rebuilt as after a death, so no
+            later call waits on them. None: never (stuck ranks then wait for
+            torch.distributed's own timeout).
+
     ``compiled=`` (any value) raises TypeError: the Compiled Graph path was
     removed (see the Concepts page); calls are actor tasks.
+
+    Returns:
+        The class decorator.
 
     Example::
 
         @remote_class(max_restarts=2)
         class Trainer: ...
-
-    Without ``remote_group``, in local mode, or inside a worker, the class
-    is built in-process exactly as written.
     """
     _reject_removed(removed)
     check_execute(execute)
