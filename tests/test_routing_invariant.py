@@ -111,6 +111,20 @@ class Node:
     def p_first_worker_flat(self, shape):
         return shape_value(shape, get_rank())
 
+    @remote_function(dispatch="all", collect="flatten")
+    def p_pair(self):
+        return get_rank() * 10, get_rank() * 10 + 1
+
+    @remote_function(dispatch="all", collect="none")
+    def p_pair_none(self):
+        return get_rank() * 10, get_rank() * 10 + 1
+
+    @remote_function(dispatch="all", collect="flatten")
+    def p_sample(self):
+        """A sampler's (tokens, logprobs): two rows per rank."""
+        r = get_rank()
+        return [[r, 2 * r], [r, 2 * r + 1]], [-0.5 * r, -0.25 * r]
+
     # consumers: what each worker received, wrapped in a list (so collect='none' keeps it whole)
     @remote_function(dispatch="slice_dp", collect="none")
     def c_slice_dp(self, x):
@@ -302,6 +316,20 @@ def test_routed_equals_fetched_then_sliced(gangs):
     print(f"routing invariant: {ran} cases")
     assert ran == len(CASES) > 100, ran
     assert not failures, f"{len(failures)} of {ran} cases differ:\n" + "\n".join(failures[:25])
+
+
+def test_tuple_results_route_element_wise(gangs):
+    """Item 1, as reported: routed tuple results equal the fetched ones, element by element."""
+    dp, _, _ = gangs["dp"]  # 4 ranks, dp=4
+    pairs, _, _ = gangs["gpw2"]  # 2 workers
+    assert dp.p_pair()() == ([0, 10, 20, 30], [1, 11, 21, 31])
+    assert pairs.c_all(dp.p_pair())() == [[([0, 10, 20, 30], [1, 11, 21, 31])]] * 2
+    assert dp.c_slice_dp(dp.p_pair())() == [[([10 * i], [10 * i + 1])] for i in range(4)]
+    assert pairs.c_all(dp.p_pair_none())() == [[([0, 10, 20, 30], [1, 11, 21, 31])]] * 2
+    # (tokens, logprobs) of 8 rows into a dp=4 slice_dp gang: rows 2i, 2i+1 of both
+    tokens, logprobs = dp.p_sample()()
+    got = dp.c_slice_dp(dp.p_sample())()
+    assert got == [[(tokens[2 * i:2 * i + 2], logprobs[2 * i:2 * i + 2])] for i in range(4)]
 
 
 def test_mesh_in_gang_worker_agrees_with_routing(gangs):
