@@ -112,9 +112,11 @@ class DeviceMesh:
 
     The current rank (when a method is given ``rank=None``, and for every
     ``<dim>_rank`` property) is asked of
-    ``Platform.get_rank()`` (:class:`~twinkle_ray.core.platform.Platform`) at call
-    time, so ``patch.object(Platform, 'get_rank', return_value=r)`` shows what rank
-    ``r`` sees.
+    ``Platform.get_mesh_rank(world_size)`` (:class:`~twinkle_ray.core.platform.Platform`)
+    at call time: ``Platform.get_rank()``, except in a gang worker that owns several
+    devices, which is the mesh rank of its first device (see ``get_mesh_rank``), as
+    the dispatcher routes it. ``patch.object(Platform, 'get_rank', return_value=r)``
+    shows what rank ``r`` sees.
 
     Example::
 
@@ -345,6 +347,10 @@ class DeviceMesh:
         return math.prod(self.mesh.shape[a] for a in self._axes(dim))
 
     # -------------------------------------------------------------- ranks
+    def _current_rank(self) -> int:
+        """This process's rank in the mesh (see the class docstring)."""
+        return Platform.get_mesh_rank(self.world_size)
+
     def get_coordinate(self, rank: int | None = None) -> tuple[int, ...] | None:
         """Coordinate of ``rank`` (default: the current rank), ``None`` if not in the mesh.
 
@@ -353,12 +359,12 @@ class DeviceMesh:
             >>> DeviceMesh(mesh=np.arange(8).reshape(4, 2), mesh_dim_names=("pp", "tp")).get_coordinate(5)
             (2, 1)
         """
-        rank = Platform.get_rank() if rank is None else rank
+        rank = self._current_rank() if rank is None else rank
         hits = np.argwhere(self.mesh == rank)
         return tuple(int(c) for c in hits[0]) if len(hits) else None
 
     def _require_coordinate(self, rank: int | None) -> tuple[int, ...]:
-        rank = Platform.get_rank() if rank is None else rank
+        rank = self._current_rank() if rank is None else rank
         coord = self.get_coordinate(rank)
         if coord is None:
             raise ValueError(
@@ -556,7 +562,7 @@ class DeviceMesh:
         if rank is None:
             if world == 1:
                 return slice(0, total_length)
-            rank = self.get_data_rank_from_global_rank(Platform.get_rank())
+            rank = self.get_data_rank_from_global_rank(self._current_rank())
         elif not _is_int(rank) or not 0 <= rank < world:
             raise ValueError(f"data rank {rank!r} is out of range for data_world_size {world}")
         per, extra = divmod(total_length, world)
@@ -589,11 +595,11 @@ class DeviceMesh:
 
     def is_pp_first_rank(self, rank: int | None = None) -> bool:
         """Whether ``rank`` (default: current) is in the first pipeline stage."""
-        return (Platform.get_rank() if rank is None else rank) in self.get_pp_first_ranks()
+        return (self._current_rank() if rank is None else rank) in self.get_pp_first_ranks()
 
     def is_pp_last_rank(self, rank: int | None = None) -> bool:
         """Whether ``rank`` (default: current) is in the last pipeline stage."""
-        return (Platform.get_rank() if rank is None else rank) in self.get_pp_last_ranks()
+        return (self._current_rank() if rank is None else rank) in self.get_pp_last_ranks()
 
     def get_tp_last_ranks(self) -> list[int]:
         """Sorted ranks that are last in their tensor-parallel group (all when no tp)."""
@@ -603,7 +609,7 @@ class DeviceMesh:
 
     def is_tp_last_rank(self, rank: int | None = None) -> bool:
         """Whether ``rank`` (default: current) is last in its tp group; False outside the mesh."""
-        return (Platform.get_rank() if rank is None else rank) in self.get_tp_last_ranks()
+        return (self._current_rank() if rank is None else rank) in self.get_tp_last_ranks()
 
     def get_collect_ranks(self) -> list[int]:
         """One global rank per data rank whose result stands for its data slice.

@@ -1,8 +1,10 @@
 """Platform: where this process stands (rank, world size, node) and which accelerator it uses.
 
 Twinkle's name for these questions. Everything in twinkle_ray that needs "my rank"
-asks :meth:`Platform.get_rank` when it needs it, so a test can pretend to be any rank
-of a mesh with ``unittest.mock.patch.object(Platform, 'get_rank', return_value=r)``.
+asks :meth:`Platform.get_rank` when it needs it (a DeviceMesh asks
+:meth:`Platform.get_mesh_rank`, which differs only in a worker that owns several
+devices), so a test can pretend to be any rank of a mesh with
+``unittest.mock.patch.object(Platform, 'get_rank', return_value=r)``.
 
 Ranks come from ``torch.distributed`` when it is initialised, else from the
 environment every twinkle_ray worker receives (``RANK``, ``WORLD_SIZE``,
@@ -108,6 +110,35 @@ class Platform:
         if dist is not None:
             return int(dist.get_rank())
         return _int_from_env("RANK", 0)
+
+    @staticmethod
+    def get_mesh_rank(mesh_world_size: int | None = None) -> int:
+        """The rank a device mesh of ``mesh_world_size`` ranks sees as this process's.
+
+        A gang worker that owns several devices (``gpus_per_worker`` g > 1, e.g. a
+        vLLM engine with TP=2) is gang rank ``i`` but covers mesh ranks
+        ``i*g ... i*g + g-1``; the dispatcher routes it as the first, ``i*g``
+        (``dispatch.worker_global_rank``), and so does its own mesh when the mesh
+        spans the gang's devices (``mesh_world_size`` is the gang's world size
+        times g, or not given). Anywhere else, :meth:`get_rank`.
+
+        Example::
+
+            >>> import os
+            >>> env = {"TWINKLE_WORKER": "sampler/VLLM/1", "RANK": "1", "WORLD_SIZE": "2",
+            ...        "TWINKLE_GPUS_PER_WORKER": "2"}
+            >>> os.environ.update(env)
+            >>> Platform.get_rank(), Platform.get_mesh_rank(4), Platform.get_mesh_rank(2)
+            (1, 2, 1)
+            >>> for k in env: del os.environ[k]
+        """
+        rank = Platform.get_rank()
+        if _in_gang_worker():
+            per = _int_from_env("TWINKLE_GPUS_PER_WORKER", 1)
+            spans = mesh_world_size is None or mesh_world_size == Platform.get_world_size() * per
+            if per > 1 and spans:
+                return rank * per
+        return rank
 
     @staticmethod
     def get_world_size() -> int:

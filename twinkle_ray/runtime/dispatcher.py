@@ -153,6 +153,7 @@ class Dispatcher:
                     dispatcher=me,
                     generation=gen,
                     metrics=spec.label if spec.metrics else None,
+                    gpus_per_worker=g.gpus_per_worker,
                 )
             )
         self.master_addr = master_addr

@@ -31,9 +31,9 @@ from ray.exceptions import (
     RayTaskError,
 )
 
+from ..core.dispatch import batch_len, collect_sources, concat, span, take
 from ..core.dispatch import collect as collect_results
-from ..core.dispatch import collect_sources, concat, span, take
-from ..core.routing import locate
+from ..core.routing import length_record, locate, plain_length, tuple_arity
 from .errors import CallTimeoutError, WorkerDiedError, death_cause
 
 END_OF_ITERATION = "twinkle_ray:end-of-iteration"
@@ -119,24 +119,60 @@ class Window:
     where: str = ""  # "train_step() on group 'trainer'", for the short-batch error
     source: str = ""  # "Sampler.generate", likewise
 
-    def pieces(self, lengths: list[int]) -> list[tuple[int, tuple[int, int] | None]]:
+    def pieces(self, lengths: list[int], element: tuple = ()) -> list[tuple[int, tuple[int, int] | None]]:
         total = sum(lengths)
         if total < self.parts:
+            part = "".join(f"[{j}]" for j in element)
+            what = f"element {part} of the tuple from {self.source}" if element else self.source
             raise ValueError(
-                f"{self.where}: batch of {total} items (from {self.source}) is smaller than the "
+                f"{self.where}: batch of {total} items (from {what}) is smaller than the "
                 f"data-parallel size {self.parts}"
             )
         return locate(lengths, *span(total, self.parts, self.index))
+
+    def apply(self, value: Any, records: list, element: tuple = ()) -> Any:
+        """This window of a whole (joined) value: what slicing the fetched value gives.
+
+        ``records``: the length records of the results joined into ``value``; when
+        they are all a tuple's, ``value`` was joined element-wise and is sliced so.
+        """
+        arity = tuple_arity(records)
+        if arity is not None and isinstance(value, tuple) and len(value) == arity:
+            items = [self.apply(v, [r.items[j] for r in records], (*element, j))
+                     for j, v in enumerate(value)]
+            return _like(value, items)
+        try:
+            n = batch_len(value)
+        except ValueError:  # a dict whose values differ in length: not one batch
+            n = None
+        if n is None:
+            return value
+        [(_, w)] = self.pieces([n], element)
+        return value if w is None else take(value, *w)
+
+
+def _like(value: tuple, items: list) -> tuple:
+    """A tuple of ``items`` of ``value``'s type (a namedtuple keeps its type, as in collect)."""
+    return type(value)(*items) if hasattr(type(value), "_fields") else tuple(items)
+
+
+def _at(value: Any, element: tuple) -> Any:
+    for j in element:
+        value = value[j]
+    return value
 
 
 @dataclass
 class Pieces:
     """A routed lazy value: producer outputs (or parts of them), joined in the consumer worker.
 
-    With a ``window``, the worker picks the covering outputs itself from their
-    lengths: ``const_lengths`` or the resolved length records at positions
-    ``length_slots`` of its task's leading arguments. Only the covering
-    producer refs are pulled.
+    The consumer gets what fetching the value (the producer's ``collect``:
+    ``'flatten'``, ``'none'`` or ``'first'``) and slicing it by its ``window``
+    gives. With a window, the worker picks the covering outputs itself from the
+    producers' length records (the resolved values at positions ``length_slots``
+    of its task's leading arguments): tuple results are joined element-wise, so
+    each element is sliced by its own lengths. Only the covering producer refs
+    are pulled.
     """
 
     refs: list | None  # None: see refs_ref
@@ -146,7 +182,7 @@ class Pieces:
     ranks: list | None = None  # producer rank of each ref
     window: Window | None = None
     length_slots: tuple[int, int] | None = None
-    const_lengths: list | None = None
+    collect: str = "flatten"  # the producer's collect mode: 'flatten', 'none' or 'first'
     # Aligned layouts (output k is this worker's own slice when lengths are even): output
     # ``aligned`` also travels as leading argument ``aligned_slot``, so Ray hands it over
     # with the task, as it does for raw Ray's direct ref passing.
@@ -161,28 +197,66 @@ class Pieces:
     own: Any = None
 
     def materialize(self, lengths: tuple = ()) -> Any:
-        picks: list = [(k, None) for k in range(len(self.refs) if self.refs is not None else self.n_refs)]
-        if self.window is not None:
-            lens = (self.const_lengths if self.const_lengths is not None
-                    else list(lengths[self.length_slots[0]:self.length_slots[1]]))
-            if all(isinstance(x, int) for x in lens):  # else not sliceable: take it whole
-                picks = self.window.pieces(lens)
-        fetch_ks = [k for k, _ in picks if k != self.aligned or self.aligned_slot is None]
+        n = len(self.refs) if self.refs is not None else self.n_refs
+        if self.window is None or self.length_slots is None:  # the whole value
+            return collect_results(self.collect, self._fetch(list(range(n)), lengths))
+        records = list(lengths[self.length_slots[0]:self.length_slots[1]])
+        plan = self._plan(records, ())
+        needed = sorted(_needed(plan))
+        values = dict(zip(needed, self._fetch(needed, lengths), strict=True))
+        return self._assemble(plan, values)
+
+    def _plan(self, records: list, element: tuple) -> tuple:
+        """Which outputs (and ranges) make up this worker's part, element by element."""
+        arity = tuple_arity(records)
+        if arity is not None:
+            return ("tuple", element, [self._plan([r.items[j] for r in records], (*element, j))
+                                       for j in range(arity)])
+        lens = [1] * len(records) if self.as_list else [plain_length(r) for r in records]
+        if all(isinstance(x, int) for x in lens):
+            return ("pieces", element, self.window.pieces(lens, element))
+        return ("whole", element, records)  # not one batch: joined whole, then sliced
+
+    def _assemble(self, plan: tuple, values: dict) -> Any:
+        kind, element, detail = plan
+        if kind == "tuple":
+            items = [self._assemble(sub, values) for sub in detail]
+            return _like(_at(values[min(_needed(plan))], element), items)
+        if kind == "whole":
+            joined = collect_results(self.collect, [_at(values[k], element) for k in range(len(detail))])
+            return self.window.apply(joined, detail, element)
+        parts = [_at(values[k], element) for k, _ in detail]
+        parts = [v if w is None else take(v, *w) for v, (_, w) in zip(parts, detail, strict=True)]
+        if self.as_list:
+            return parts
+        return concat(parts) if self.collect == "flatten" else parts[0]
+
+    def _fetch(self, ks: list[int], lengths: tuple) -> list:
+        """The values of outputs ``ks`` (the aligned one from the task's leading values)."""
+        fetch_ks = [k for k in ks if k != self.aligned or self.aligned_slot is None]
         if fetch_ks and self.refs is None:
             self.refs = ray.get(self.refs_ref)
         got = dict(zip(fetch_ks, pull([self.refs[k] for k in fetch_ks], self.producer, self.method,
                                       [self.ranks[k] if self.ranks else None for k in fetch_ks]),
                        strict=True))
-        values = [got[k] if k in got else lengths[self.aligned_slot] for k, _ in picks]
-        parts = [v if w is None else take(v, *w) for v, (_, w) in zip(values, picks, strict=True)]
-        if self.as_list:
-            return parts
-        return parts[0] if len(parts) == 1 else concat(parts)
+        return [got[k] if k in got else lengths[self.aligned_slot] for k in ks]
+
+
+def _needed(plan: tuple) -> set[int]:
+    """The outputs a Pieces plan reads."""
+    kind, _, detail = plan
+    if kind == "tuple":
+        return set().union(*(_needed(sub) for sub in detail))
+    if kind == "whole":
+        return set(range(len(detail)))
+    return {k for k, _ in detail}
 
 
 @dataclass
 class Collected:
-    """A whole lazy value collected in the consuming worker (mean, sum, custom collects)."""
+    """A whole lazy value collected in the consuming worker (mean, sum, last_pp, custom
+    collects), then sliced by the consumer's ``window`` (element-wise for tuples), as slicing
+    the fetched value would."""
 
     refs: list
     collect: Any
@@ -191,6 +265,7 @@ class Collected:
     gpus_per_worker: int = 1
     producer: GangRef | None = None
     method: str = ""
+    window: Window | None = None
 
     def materialize(self, lengths: tuple = ()) -> Any:
         # Only the outputs the collect reads are pulled ('last_pp': the last stage's, one per
@@ -198,13 +273,17 @@ class Collected:
         keep = collect_sources(self.collect, self.workers, device_mesh=self.mesh,
                                gpus_per_worker=self.gpus_per_worker)
         workers = [self.workers[k] for k in keep]
-        return collect_results(
+        results = pull([self.refs[k] for k in keep], self.producer, self.method, workers)
+        value = collect_results(
             self.collect,
-            pull([self.refs[k] for k in keep], self.producer, self.method, workers),
+            results,
             device_mesh=self.mesh,
             gpus_per_worker=self.gpus_per_worker,
             worker_indices=workers,
         )
+        if self.window is None:
+            return value
+        return self.window.apply(value, [length_record(r) for r in results])
 
 
 def pull(refs: list, producer: GangRef | None, method: str, ranks: list) -> list:

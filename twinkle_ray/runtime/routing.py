@@ -66,20 +66,19 @@ def call_targets(execute: str, caller: tuple[int, int] | None, n: int) -> list[i
 
 
 def needs_lengths(collect: str | None, n_outputs: int) -> bool:
-    """Whether routing these outputs can slice them by length (see ``Router._route_one``).
+    """Whether routing these outputs slices them by their length records (see ``Router._route_one``).
 
-    'flatten' and 'first' outputs are sliced by their lengths, and so is a
-    single 'none' output; several 'none' outputs route as a list of whole
-    items, and 'mean'/'sum'/'last_pp'/custom collects route whole.
+    'flatten', 'none' and 'first' outputs are: by their lengths, element by
+    element for tuples (several 'none' outputs are whole items, but a tuple's
+    record says that they are joined element-wise). 'mean'/'sum'/'last_pp'/custom
+    collects are collected whole in the consumer, then sliced.
 
     >>> needs_lengths("flatten", 4), needs_lengths("none", 4), needs_lengths("mean", 1)
-    (True, False, False)
+    (True, True, False)
     """
     if collect is None:  # unknown: keep the records
         return True
-    if collect == "none":
-        return n_outputs == 1
-    return collect in ("flatten", "first")
+    return collect in ("flatten", "none", "first")
 
 
 class Router:
@@ -163,25 +162,8 @@ class Router:
         producer = lazy.gang if lazy.gang is not None else self.own  # see proxy._strip_own_gang
         if lazy.gang is not None and lazy.gang.dispatcher is not None:
             self.producers[(lazy.gang.group, lazy.gang.cls_name)] = lazy.gang.dispatcher
-        if mode not in ("flatten", "none", "first"):
-            whole = Collected(list(out.refs), mode, list(out.workers), producer.mesh,
-                              producer.gpus_per_worker, producer, lazy.method)
-            return [whole] * n
-        k = 1 if mode == "first" else len(out.refs)
-        refs, ranks = list(out.refs[:k]), list(out.workers[:k])
-        as_list = mode == "none" and k > 1
-        # Enough to name the producer on failure (its dispatcher is found by name then): keeps
-        # the markers small, since every worker's message carries one.
-        named = GangRef(producer.group, producer.cls_name, dispatcher=None)
-        common = dict(as_list=as_list, producer=named, method=lazy.method, ranks=ranks)
-        if dispatch not in ("slice", "slice_dp"):
-            return [Pieces(refs, **common)] * n
-        if as_list:
-            slots, const = None, [1] * k
-        else:
-            slots, const = (len(lengths), len(lengths) + k), None
-            lengths.extend(out.metas[:k])
         g = self.spec.group
+        where, source = f"{method}() on group '{g.name}'", f"{producer.cls_name}.{lazy.method}"
         if dispatch == "slice_dp":
             dp = self._data_ranks.get(n)
             if dp is None:  # the mesh is fixed: computed once per gang size
@@ -189,19 +171,37 @@ class Router:
             parts, index = dp
         else:
             parts, index = n, list(range(n))
+        sliced = dispatch in ("slice", "slice_dp")
+        if mode not in ("flatten", "none", "first"):  # collected whole in the consumer, then sliced
+            return [Collected(list(out.refs), mode, list(out.workers), producer.mesh,
+                              producer.gpus_per_worker, producer, lazy.method,
+                              window=Window(parts, index[i], where, source) if sliced else None)
+                    for i in range(n)]
+        k = 1 if mode == "first" else len(out.refs)
+        refs, ranks = list(out.refs[:k]), list(out.workers[:k])
+        as_list = mode == "none" and k > 1
+        # Enough to name the producer on failure (its dispatcher is found by name then): keeps
+        # the markers small, since every worker's message carries one.
+        named = GangRef(producer.group, producer.cls_name, dispatcher=None)
+        common = dict(as_list=as_list, producer=named, method=lazy.method, ranks=ranks,
+                      collect=mode)
+        if not sliced:
+            return [Pieces(refs, **common)] * n
+        # The length records (one per output; per element for a tuple) locate each worker's
+        # window, in the worker: see Pieces.materialize.
+        slots = (len(lengths), len(lengths) + k)
+        lengths.extend(out.metas[:k])
         aligned = k == n == parts and not as_list  # output i is worker i's slice if lengths are even
-        where, source = f"{method}() on group '{g.name}'", f"{producer.cls_name}.{lazy.method}"
         if aligned:  # the refs travel as one object, fetched only if lengths are uneven
             held = ray.put(refs)
             return [
-                Pieces(None, **common, length_slots=slots, const_lengths=const,
+                Pieces(None, **common, length_slots=slots,
                        window=Window(parts, index[i], where, source), aligned=i,
                        refs_ref=held, n_refs=k, own=refs[i])
                 for i in range(n)
             ]
         return [
-            Pieces(refs, **common, length_slots=slots, const_lengths=const,
-                   window=Window(parts, index[i], where, source))
+            Pieces(refs, **common, length_slots=slots, window=Window(parts, index[i], where, source))
             for i in range(n)
         ]
 

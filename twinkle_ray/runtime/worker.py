@@ -31,7 +31,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..core.dispatch import batch_len
+from ..core.routing import TupleLengths, length_record
 from .lazy import END_OF_ITERATION, resolve_routed
 from .message import WorkerCall
 from .metrics import GangMetrics, args_nbytes
@@ -64,6 +64,7 @@ class WorkerInfo:
     dispatcher: Any = field(default=None, repr=False)  # to report a failed call (stuck check)
     generation: int = 0
     metrics: str | None = None  # the gang's label when it records metrics (see .metrics)
+    gpus_per_worker: int = 1  # devices of this worker: its mesh rank is rank * gpus_per_worker
 
     def environ(self) -> dict[str, str]:
         env = {
@@ -75,6 +76,8 @@ class WorkerInfo:
             "MASTER_ADDR": self.master_addr,
             "TWINKLE_GROUP": self.group,
             "TWINKLE_WORKER": self.name,
+            # Platform.get_mesh_rank: the mesh rank is rank * this, as the dispatcher routes it
+            "TWINKLE_GPUS_PER_WORKER": str(self.gpus_per_worker),
         }
         if self.visible_devices_env:
             env[self.visible_devices_env] = ",".join(str(d) for d in self.devices)
@@ -308,12 +311,10 @@ def nccl_env(timeout_s: float) -> dict[str, str]:
     }
 
 
-def _meta(result: Any) -> int | None:
-    """The result's batch length for lazy routing; None when it is not one batch."""
-    try:
-        return batch_len(result)
-    except (TypeError, ValueError):  # e.g. a dict whose values differ in length
-        return None
+def _meta(result: Any) -> int | TupleLengths | None:
+    """The result's length record for lazy routing: its batch length (None when it is not one
+    batch), per element for a tuple (collected element-wise, so routed element-wise)."""
+    return length_record(result)
 
 
 def _url_host(addr: str) -> str:
