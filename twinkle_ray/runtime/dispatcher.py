@@ -24,7 +24,8 @@ Example (what GangProxy does)::
 
     d = Dispatcher.options(name="trainer/Model", num_cpus=0).remote(spec)
     ray.get(d.start.remote())
-    out = ray.get(d.call.remote("forward", per_worker, "slice_dp", "all", None))
+    plan, _ = d.call.remote("forward", per_worker, "slice_dp", "all", None)
+    out = ray.get(plan)
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ __all__ = ["Dispatcher", "GangSpec", "RemoteDispatcher"]
 STOP_GRACE_S = 2.0
 PROGRESS_QUERY_S = 5.0  # how long the stuck check waits for a worker to say what it is running
 TURN_WAIT_S = 60.0  # how long a call waits for its caller's previous call to arrive
+# The turn table keeps the entries of this many callers, those whose turns ended last; older
+# ones are dropped (every unpickled proxy copy is a caller: their number has no bound). See
+# Dispatcher._wait_turn for why a dropped caller's next call still comes after its previous one.
+TURN_CALLERS_KEPT = 256
 # A worker Ray calls unavailable (ActorUnavailableError) is watched again every OUTAGE_POLL_S
 # until Ray says it died, its node is reported dead (a lost node), it answers again (an outage
 # that ended) or OUTAGE_LIMIT_S pass (then it counts as dead: 'unreachable').
@@ -87,7 +92,8 @@ class Dispatcher:
         # per bundle: this gang takes its devices (rank order may change when bundles move)
         self._owns = {s.bundle_index: o for s, o in zip(spec.slots, spec.owns, strict=True)}
         self.stopped = False
-        self._turns: dict[str, int] = {}  # caller id -> sequence number of its next call
+        # caller id -> number of its next call, least recently ended first (TURN_CALLERS_KEPT)
+        self._turns: dict[str, int] = {}
         # (caller id, number) -> future of a call that arrived before its predecessor ended:
         # ending a turn wakes exactly the caller's next call, not every waiting one.
         self._turn_waiters: dict[tuple[str, int], asyncio.Future] = {}
@@ -552,6 +558,7 @@ class Dispatcher:
         }
 
     # -- calls ---------------------------------------------------------------------------------
+    @ray.method(num_returns=2)
     async def call(
         self,
         method: str,
@@ -562,9 +569,11 @@ class Dispatcher:
         wait_meta: bool = False,
         turn: tuple[str, int] | None = None,
         collect: str | None = None,
-    ) -> CallOutput:
+    ) -> tuple[CallOutput, bool]:
         """Take the call's turn, check the gang, plan the call, submit it; return the output refs
-        without waiting for them.
+        without waiting for them, and True: a second return that tells the caller's next call
+        that this one has settled without holding its outputs (the caller keeps that one, not
+        the plan, between calls: an idle caller pins no output it dropped).
 
         ``per_worker`` holds each worker's (args, kwargs) as the caller already
         split them (plain values and ObjectRefs); LazyResult arguments in it are
@@ -588,7 +597,7 @@ class Dispatcher:
             self._routing().remember(turn[:2] if turn else None, out)
         if wait_meta:
             out.ended = any(m == END_OF_ITERATION for m in await _values(out.metas))
-        return out
+        return out, True
 
     def _submit(self, plan: CallPlan, workers: list) -> CallOutput:
         """Send a planned call to its ranks: one actor task per target rank; takes the next
@@ -651,9 +660,17 @@ class Dispatcher:
         try:
             yield
         finally:
-            self._end_turn(turn[0])
+            self._end_turn(turn[0], turn[1])
 
     async def _wait_turn(self, caller: str, seq: int, prev: list | None = None) -> None:
+        """Wait until call ``seq`` of ``caller`` may go: its previous call ended its turn here.
+
+        The rule that bounds the table: only the TURN_CALLERS_KEPT callers whose turns ended
+        last keep an entry. A caller without one (new, or dropped) and ``seq > 0`` waits for
+        its previous call's settled ref ``prev`` to settle: that call's ``call`` returns only after
+        its turn ended, so order holds without the entry (at the cost of that one await); a
+        previous call still in its turn wakes this one when it ends (``_end_turn``).
+        """
         if self._turns.get(caller, 0) >= seq:  # its turn already (the usual case): no wait
             return
         fut = self._turn_waiters[(caller, seq)] = asyncio.get_running_loop().create_future()
@@ -663,7 +680,12 @@ class Dispatcher:
                                          timeout=TURN_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
             if fut in done:
                 return
-            if settled is not None and settled in done and self._turns.get(caller, 0) < seq:
+            if settled is not None and settled in done and caller not in self._turns:
+                # An entry dropped (TURN_CALLERS_KEPT), or a previous call that never arrived.
+                logger.debug("gang %s: call %d of caller %s: its previous call has settled; "
+                             "going ahead", self.spec.label, seq, caller)
+                return
+            if settled is not None and settled in done and self._turns[caller] < seq:
                 # Settled without taking its turn here: it never arrived. Skip it.
                 logger.warning("gang %s: call %d of caller %s never reached the dispatcher (its "
                                "arguments could not be unpickled?); call %d goes ahead",
@@ -678,12 +700,34 @@ class Dispatcher:
             if settled is not None:
                 settled.cancel()
 
-    def _end_turn(self, caller: str) -> None:
-        nxt = self._turns.get(caller, 0) + 1
+    def _end_turn(self, caller: str, seq: int) -> None:
+        """Call ``seq`` of ``caller`` ended its turn: its next call may go. The caller's entry
+        moves to the end of the table; the oldest beyond TURN_CALLERS_KEPT are dropped."""
+        nxt = max(self._turns.pop(caller, 0), seq + 1)
         self._turns[caller] = nxt
+        while len(self._turns) > TURN_CALLERS_KEPT:
+            del self._turns[next(iter(self._turns))]
         fut = self._turn_waiters.get((caller, nxt))
         if fut is not None and not fut.done():
             fut.set_result(None)
+
+    def stats(self) -> dict[str, int]:
+        """Sizes of the dispatcher's tables, each bounded however many calls and callers it
+        has seen: caller turns, calls waiting for their turn, recent plans kept for chaining,
+        producer gangs it routed from, and bound task methods.
+
+        Example::
+
+            ray.get(ray.get_actor("trainer/Model").stats.remote())["turns"]   # <= 256
+        """
+        router = self._router
+        return {
+            "turns": len(self._turns),
+            "turn_waiters": len(self._turn_waiters),
+            "recent_plans": len(router.recent) if router is not None else 0,
+            "producers": len(router.producers) if router is not None else 0,
+            "bound_submitters": len(self._bound),
+        }
 
 
 async def _all_or_first_error(refs: list) -> list:

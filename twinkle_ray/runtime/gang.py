@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..core import defaults
 from .dispatcher import RemoteDispatcher
-from .proxy import GangProxy, put_large, wait_with_progress
+from .proxy import GangProxy, _unpicklable, put_large, wait_with_progress
 from .spec import GangSpec
 
 # How long a respawn waits for a dead dispatcher's name to be released by Ray.
@@ -53,40 +53,59 @@ def create_gang(
             f"{mesh.world_size} but the group has {group.num_devices or group.num_workers} "
             f"{'device' if group.num_devices else 'worker'}(s)"
         )
+    why = _unpicklable(args, kwargs)  # before anything is claimed or created (DESIGN 8)
+    if why is not None:
+        raise TypeError(f"{cls.__name__}(remote_group='{group.name}'): {why}")
     label = runtime.new_label(group.name, cls.__name__)
     owns = runtime.claim(group.name, [s.bundle_index for s in slots])
-    [(args, kwargs)] = put_large([(args, kwargs)])
-    spec = GangSpec(
-        group=group,
-        cls=cls,
-        label=label,
-        args=args,
-        kwargs=kwargs,
-        slots=slots,
-        owns=owns,
-        pg=runtime.pgs[group.name],
-        owns_pg=(group.name not in runtime.adopted
-                 and sum(p is runtime.pgs[group.name] for p in runtime.pgs.values()) == 1),
-        mesh=mesh,
-        distributed=distributed,
-        dist_timeout_s=runtime.dist_timeout_s,
-        placement_timeout_s=runtime.placement_timeout_s,
-        seed=runtime.seed,
-        namespace=runtime.namespace,
-        max_restarts=max_restarts,
-        stuck_grace_s=stuck_grace_s,
-        execute=execute,
-        lazy_collect=runtime.lazy_collect,
-    )
+    taken = [s.bundle_index for s, o in zip(slots, owns, strict=True) if o]
+    try:  # every failure from here on gives the claimed devices back to the group
+        [(args, kwargs)] = put_large([(args, kwargs)])
+        spec = GangSpec(
+            group=group,
+            cls=cls,
+            label=label,
+            args=args,
+            kwargs=kwargs,
+            slots=slots,
+            owns=owns,
+            pg=runtime.pgs[group.name],
+            owns_pg=(group.name not in runtime.adopted
+                     and sum(p is runtime.pgs[group.name] for p in runtime.pgs.values()) == 1),
+            mesh=mesh,
+            distributed=distributed,
+            dist_timeout_s=runtime.dist_timeout_s,
+            placement_timeout_s=runtime.placement_timeout_s,
+            seed=runtime.seed,
+            namespace=runtime.namespace,
+            max_restarts=max_restarts,
+            stuck_grace_s=stuck_grace_s,
+            execute=execute,
+            lazy_collect=runtime.lazy_collect,
+        )
+        proxy = _start(spec, runtime.start_timeout_s)
+        if max_restarts > 0:  # this proxy (the creator's) rebuilds a dead dispatcher and its gang
+            proxy._respawn = functools.partial(respawn, spec, runtime.start_timeout_s)
+            proxy._respawn_limit = max_restarts
+        runtime.register(proxy, group.name, taken)
+    except BaseException:
+        runtime.release(group.name, taken)
+        raise
+    return proxy
+
+
+def _start(spec: GangSpec, timeout_s: float | None) -> GangProxy:
+    """Create the gang's dispatcher and start the gang; on failure nothing of it is left."""
+    cls, label = spec.cls, spec.label
     dispatcher = new_dispatcher(spec)
     try:
         desc = wait_with_progress(
-            dispatcher.start.remote(), f"start-up of gang {label} ({len(slots)} worker(s))",
-            runtime.start_timeout_s,
+            dispatcher.start.remote(), f"start-up of gang {label} ({len(spec.slots)} worker(s))",
+            timeout_s,
         )
+        return spec.proxy(dispatcher, desc)
     except BaseException as e:
         ray.kill(dispatcher, no_restart=True)
-        runtime.release(group.name, [s.bundle_index for s, o in zip(slots, owns, strict=True) if o])
         cause = getattr(e, "cause", None)
         if isinstance(cause, Exception):
             raise cause from None
@@ -98,13 +117,6 @@ def create_gang(
                 f"working_dir/py_modules). Ray said: {str(e).splitlines()[0]}"
             ) from None
         raise
-    proxy = spec.proxy(dispatcher, desc)
-    if max_restarts > 0:  # this proxy (the creator's) rebuilds a dead dispatcher and its gang
-        proxy._respawn = functools.partial(respawn, spec, runtime.start_timeout_s)
-        proxy._respawn_limit = max_restarts
-    runtime.register(proxy, group.name,
-                     [s.bundle_index for s, o in zip(slots, owns, strict=True) if o])
-    return proxy
 
 
 def new_dispatcher(spec: GangSpec):

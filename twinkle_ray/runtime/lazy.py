@@ -419,13 +419,15 @@ class LazyResult:
     """
 
     __slots__ = ("_plan_ref", "_out", "_value", "_has_value", "collect", "gang", "method", "timeout",
-                 "_turn", "_args")
+                 "_turn", "_sent")
 
     def __init__(self, plan_ref, *, collect, gang: GangRef, method: str, timeout: float | None = None,
                  out: CallOutput | None = None, turn: tuple[str, int] | None = None):
         self._plan_ref = plan_ref
         self._turn = turn  # (caller id, number) of the call: its dispatcher knows the plan by it
-        self._args: tuple | None = None  # the caller's (args, kwargs), kept by the proxy
+        # (name, value) of the arguments sent to the dispatcher by value, kept by the proxy: never
+        # the payload (that went to the object store), see proxy._inline
+        self._sent: tuple = ()
         self._out = out
         self._value = None
         self._has_value = False
@@ -523,11 +525,7 @@ def _unloadable(result: LazyResult, error: BaseException) -> BaseException:
     import cloudpickle
 
     where = f"{result.gang.cls_name}.{result.method}() on group '{result.gang.group}'"
-    args, kwargs = result._args or ((), {})
-    for name, v in [*((f"argument {i}", a) for i, a in enumerate(args)),
-                    *((f"argument '{k}'", v) for k, v in kwargs.items())]:
-        if isinstance(v, ray.ObjectRef | LazyResult):
-            continue
+    for name, v in result._sent:
         try:
             cloudpickle.loads(cloudpickle.dumps(v))
         except Exception as e:

@@ -137,6 +137,25 @@ def _unpicklable(args: tuple, kwargs: dict) -> str | None:
     return None
 
 
+def _inline(per_worker: list[tuple[tuple, dict]]) -> tuple[tuple[str, Any], ...]:
+    """The arguments sent to the dispatcher by value, named as ``_unpicklable`` names them.
+
+    Only these can fail to unpickle there: payload went to the object store (``put_large``)
+    and LazyResults are routed, so neither is kept (a LazyResult holds no caller's payload).
+    Each value kept is below ``PUT_THRESHOLD_BYTES`` by ``_nbytes``' estimate.
+    """
+    seen: set[int] = set()
+    kept = []
+    for args, kwargs in per_worker:
+        for name, v in [*((f"argument {i}", a) for i, a in enumerate(args)),
+                        *((f"argument '{k}'", v) for k, v in kwargs.items())]:
+            if isinstance(v, ray.ObjectRef | LazyResult) or id(v) in seen:
+                continue
+            seen.add(id(v))
+            kept.append((name, v))
+    return tuple(kept)
+
+
 def _caller() -> tuple[int, int] | None:
     """(rank, world size) when called from inside a gang worker, else None."""
     if "TWINKLE_WORKER" not in os.environ:
@@ -181,9 +200,10 @@ class GangProxy:
         # Calls are numbered per proxy so the dispatcher takes them in the order made here.
         self._caller_id = uuid.uuid4().hex
         self._next_turn = 0
-        # The previous call's plan ref travels with each call (nested: Ray does not wait for it):
-        # a call Ray failed before it reached the dispatcher (its arguments could not be
-        # unpickled there) never takes its turn, and its failed ref tells the next call so.
+        # The previous call's settled ref (the second return of the dispatcher's call: not the
+        # plan, which would pin its outputs) travels with each call (nested: Ray does not wait
+        # for it): a call Ray failed before it reached the dispatcher (its arguments could not
+        # be unpickled there) never takes its turn, and its failed ref tells the next call so.
         self._prev: list | None = None
         self._turn_lock = threading.Lock()
         # Set by create_gang on the creator's proxy when max_restarts > 0: rebuilds the gang
@@ -241,12 +261,12 @@ class GangProxy:
         try:
             with self._turn_lock:  # numbers follow submission order, also across threads
                 turn = (self._caller_id, self._next_turn)
-                plan = g.dispatcher.call.remote(
+                plan, settled = g.dispatcher.call.remote(
                     name, per_worker, spec.dispatch, execute, caller, wait_meta,
                     (*turn, self._prev), spec.collect if isinstance(spec.collect, str) else "custom",
                 )
                 self._next_turn += 1  # only a submitted call takes a turn
-                self._prev = [plan]
+                self._prev = [settled]  # not the plan: that would pin its outputs
         except Exception as e:
             why = _unpicklable(args, kwargs)
             if why is None:
@@ -254,7 +274,7 @@ class GangProxy:
             raise TypeError(f"{g.cls_name}.{name}() on group '{g.group}': {why}") from e
         result = LazyResult(plan, collect=spec.collect, gang=g, method=name, timeout=spec.timeout,
                             turn=turn)
-        result._args = (args, kwargs)  # to name an argument the dispatcher could not unpickle
+        result._sent = _inline(per_worker)  # to name an argument the dispatcher could not unpickle
         lazy = self._lazy_default if spec.lazy_collect is None else spec.lazy_collect
         if spec.sync or not lazy:
             return result.get()

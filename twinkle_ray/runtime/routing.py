@@ -18,6 +18,7 @@ Example (what the dispatcher does)::
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -30,9 +31,13 @@ from ..core.routing import peer_workers
 from .lazy import CallOutput, Collected, GangRef, LazyResult, Pieces, Window
 from .message import WorkerCall
 
-# Plans of this many recent calls are kept, so routing one of them into a later call needs
-# no fetch of the plan from the caller (who owns it). They keep those outputs alive a while.
+# Plans of at most this many recent calls are kept, each for RECENT_KEEP_S after it was
+# submitted, so routing one of them into a call chained right after it needs no fetch of the
+# plan from the caller (who owns it). A kept plan holds its outputs alive (this actor owns
+# them), so it is kept only while such a chained call can be on its way: an idle gang pins
+# nothing its callers dropped. A call routed later awaits the plan's ref it carries instead.
 RECENT_PLANS = 8
+RECENT_KEEP_S = 2.0
 
 
 @dataclass
@@ -95,12 +100,15 @@ class Router:
         self.producers: dict[tuple[str, str], Any] = {}
 
     def remember(self, turn: tuple[str, int] | None, out: CallOutput) -> None:
-        """Keep a call's output for routing it into later calls here."""
+        """Keep a call's output for routing it into calls chained right
+        after it here: the last RECENT_PLANS calls, each for RECENT_KEEP_S (a timer of the
+        actor's loop drops it: nothing polls)."""
         if turn is None:
             return
         self.recent[turn] = out
         if len(self.recent) > RECENT_PLANS:
             self.recent.popitem(last=False)
+        asyncio.get_running_loop().call_later(RECENT_KEEP_S, self.recent.pop, turn, None)
 
     async def plan(
         self,
