@@ -484,10 +484,11 @@ def short(e: BaseException) -> str:
 
 
 def heal(gang) -> None:
-    """Rebuild ``gang`` if it is dead and not already being rebuilt (restart() awaits a rebuild under way)."""
+    """Rebuild ``gang`` if it is dead once a rebuild under way has ended (restart() would end
+    that rebuild and start afresh)."""
     try:
-        gang.check_health()
-    except Exception:  # WorkerDiedError (also while its dispatcher rebuilds it) or 'not running'
+        gang.check_health(timeout=RESTART_TIMEOUT_S, wait=True)
+    except Exception:  # WorkerDiedError (also a failed rebuild) or 'not running'
         gang.restart(timeout=RESTART_TIMEOUT_S)
 
 

@@ -284,28 +284,36 @@ class ReplicaGang:
             return False
 
     async def check_health(self, timeout: float = 10.0) -> None:
-        """For Serve's ``check_health``: raise only if the gang is dead and will not be rebuilt.
+        """For Serve's ``check_health``: raise unless the gang can serve calls now.
 
-        While the dispatcher rebuilds the gang the replica counts as healthy
-        (the rebuild has its own deadline: ``placement_timeout_s``).
+        A rebuild under way is waited for up to ``timeout``; a gang still being
+        rebuilt after that is not healthy: GangUnavailable says so, but only for
+        this check (once the rebuild is done, the next check passes; every
+        rebuild ends within ``start_timeout_s``). A gang that is down and not
+        being rebuilt makes the replica unavailable for good: Serve replaces it.
         """
-        from .runtime.errors import WorkerDiedError
+        from .runtime.errors import CallTimeoutError, WorkerDiedError
 
         if self._unavailable is not None:
             raise self._unavailable
         try:
-            await asyncio.to_thread(self.proxy.check_health, timeout)
+            await asyncio.to_thread(self.proxy.check_health, timeout, self.heal)
+            return
         except WorkerDiedError as e:
             if not self.heal:
                 raise
-            desc = await asyncio.to_thread(self._describe)
-            if desc.get("rebuilding"):
-                return
-            self._give_up(f"its gang on group '{self.group.name}' is down and not being rebuilt: "
-                          f"{e}", e)
+            why: BaseException = e
+        except CallTimeoutError as e:  # a rebuild under way took longer than ``timeout``
+            why = e
         except Exception as e:  # noqa: BLE001 — the dispatcher is gone
             self._give_up(f"its gang on group '{self.group.name}' cannot be reached: "
                           f"{type(e).__name__}: {e}", e)
+        desc = await asyncio.to_thread(self._describe)
+        if desc.get("rebuilding"):
+            raise GangUnavailable(f"replica not ready: its gang on group '{self.group.name}' is "
+                                  f"being rebuilt ({type(why).__name__}: {why})", why)
+        self._give_up(f"its gang on group '{self.group.name}' is down and not being rebuilt: "
+                      f"{why}", why)
 
     def _describe(self) -> dict:
         try:

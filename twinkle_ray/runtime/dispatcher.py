@@ -62,6 +62,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["Dispatcher", "GangSpec", "RemoteDispatcher"]
 
 STOP_GRACE_S = 2.0
+# What a start past its deadline names when a rank did not say what it was doing.
+START = "the start (torch.distributed init and the constructor)"
 PROGRESS_QUERY_S = 5.0  # how long the stuck check waits for a worker to say what it is running
 TURN_WAIT_S = 60.0  # how long a call waits for its caller's previous call to arrive
 # The turn table keeps the entries of this many callers, those whose turns ended last; older
@@ -99,7 +101,11 @@ class Dispatcher:
         self._turn_waiters: dict[tuple[str, int], asyncio.Future] = {}
         self._watch_task: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
-        self._suspect: asyncio.Task | None = None  # a stuck check after a reported failure
+        # call number -> the stuck check after a failure of that call was reported
+        self._suspects: dict[int, asyncio.Task] = {}
+        self.distributed = False  # the workers joined torch.distributed (a collective can block)
+        # what a start under way waits for: (what, rank -> its ref), named if it is too late
+        self._start_waits: tuple[str, dict[int, Any]] | None = None
         self.seq = 0  # calls submitted (all callers, all generations): the gang's one order
         self.saved: list | None = None  # per rank: last saved state (ObjectRef) or its file
         self.pids: list[int] = []
@@ -178,23 +184,29 @@ class Dispatcher:
             for info, s, own in zip(infos, spec.slots, owns, strict=True)
         ]
         distributed = spec.distributed if spec.distributed is not None else n > 1
+        self.distributed = distributed
         try:
-            _, port = await self.workers[0].endpoint.remote()
+            endpoint = self.workers[0].endpoint.remote()
+            self._start_waits = ("the worker actor", {0: endpoint})
+            _, port = await endpoint
             starts = [
                 w.start.remote(
                     port, distributed, spec.dist_timeout_s, spec.seed, spec.cls, spec.args, spec.kwargs
                 )
                 for w in self.workers
             ]
+            self._start_waits = (START, dict(enumerate(starts)))
             started = await _all_or_first_error(starts)
-            ids = await asyncio.gather(*[w.identity.remote() for w in self.workers])
+            idents = [w.identity.remote() for w in self.workers]
+            self._start_waits = ("the worker actor", dict(enumerate(idents)))
+            ids = await asyncio.gather(*idents)
             self.where = [(rank, node_id, node_ip) for rank, (_, node_id, node_ip) in enumerate(ids)]
             self.ids_now = [actor_id for actor_id, _, _ in ids]
             self.table.update({actor_id: row for (actor_id, _, _), row in zip(ids, self.where, strict=True)})
             if self.saved is not None:  # a rebuild: every rank gets its last saved state back
-                await _all_or_first_error(
-                    [w.load_state.remote(st) for w, st in zip(self.workers, self.saved, strict=True)]
-                )
+                loads = [w.load_state.remote(st) for w, st in zip(self.workers, self.saved, strict=True)]
+                self._start_waits = ("load_state_dict", dict(enumerate(loads)))
+                await _all_or_first_error(loads)
         except Exception as e:
             await self._kill_workers()
             rank = getattr(e, "_twinkle_rank", None)
@@ -203,6 +215,7 @@ class Dispatcher:
                 + (f" (rank {rank})" if rank is not None else "")
                 + f": {_cause_text(e)}"
             ) from None
+        self._start_waits = None
         self.backend = started[0][0]
         self.pids = [pid for _, pid in started]
         self.dead = None
@@ -210,20 +223,41 @@ class Dispatcher:
         return self.describe()
 
     async def restart(self) -> dict:
-        """Tear the gang down (if anything is left) and build a fresh one."""
-        if self._restart_task is not None and not self._restart_task.done():
-            await asyncio.shield(self._restart_task)
-            if self.dead is not None:
-                raise self.dead
-            return self.describe()
+        """Tear the gang down (if anything is left) and build a fresh one.
+
+        A build under way (an automatic rebuild, or an earlier ``restart()``) is ended first and
+        what it built is killed: a restart never waits on a build that hangs. Like every
+        rebuild it is bounded by ``start_timeout_s``; if it fails, the gang's error (raised here
+        and by later calls) is GangRebuildError saying why.
+        """
+        if self.stopped:
+            raise RuntimeError(f"gang {self.spec.label} is not running (stopped)")
         if self.restart_metrics is not None:
             self.restart_metrics.restarted("manual")
-        logger.warning("gang %s: restart() asked for; rebuilding it", self.spec.label)
+        previous = self._restart_task
+        if previous is not None and not previous.done():
+            logger.warning("gang %s: restart() asked for during a rebuild; ending that one and "
+                           "building afresh", self.spec.label)
+            previous.cancel()
+        else:
+            logger.warning("gang %s: restart() asked for; rebuilding it", self.spec.label)
         self.rebuild_error = None
+        death = getattr(self.dead, "death", self.dead)  # what a failed rebuild followed
         # As a task of its own, like an automatic rebuild: calls (and a second restart) arriving
         # meanwhile wait for it instead of finding the gang half built.
-        self._restart_task = asyncio.ensure_future(self._kill_and_start())
-        return await asyncio.shield(self._restart_task)
+        self._restart_task = asyncio.ensure_future(self._rebuild(death, "restart()", previous))
+        await self._settled()
+        if self.dead is not None:
+            raise self.dead
+        if not self.workers:
+            raise RuntimeError(f"gang {self.spec.label} is not running (stopped)")
+        return self.describe()
+
+    async def _settled(self) -> None:
+        """Wait until no build is under way (a build that restart() replaced is followed by its
+        replacement). Never cancels the build."""
+        while self._restart_task is not None and not self._restart_task.done():
+            await asyncio.wait([self._restart_task])
 
     async def stop(self) -> None:
         """Leave torch.distributed where possible, then kill every worker."""
@@ -336,7 +370,7 @@ class Dispatcher:
                 self.restart_metrics.restarted(error.kind)
             logger.warning("gang %s: automatic rebuild %d (%s)", self.spec.label, self.restarts,
                            self.policy.describe())
-            self._restart_task = asyncio.ensure_future(self._rebuild(error))
+            self._restart_task = asyncio.ensure_future(self._rebuild(error, "automatic"))
             return
         if self.policy.max_restarts > 0:
             if self.restart_metrics is not None:
@@ -347,23 +381,31 @@ class Dispatcher:
             logger.error("%s", self.dead)
         await self._kill_workers()
 
-    async def _rebuild(self, error: WorkerDiedError) -> None:
-        """An automatic rebuild after ``error``; if it fails, calls get why (GangRebuildError)."""
+    async def _rebuild(self, error: WorkerDiedError | None, how: str,
+                       previous: asyncio.Task | None = None) -> None:
+        """A rebuild (``how``: 'automatic' after ``error``, or 'restart()'), once ``previous``
+        (a build it replaces, cancelled) has ended; if it fails, calls get why
+        (GangRebuildError). Cancelled (by restart() or stop()), it kills what it built."""
+        if previous is not None:
+            await asyncio.wait([previous])
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         try:
             await self._kill_and_start()
         except asyncio.CancelledError:
+            await self._kill_workers()
             raise
         except Exception as e:
             if self.restart_metrics is not None:
                 self.restart_metrics.failed()
             self.rebuild_error = _cause_text(e) if not isinstance(e, PlacementError) else str(e)
             if not self.stopped:
-                self.dead = GangRebuildError(error, self.rebuild_error)
+                self.dead = GangRebuildError(error, self.rebuild_error, how,
+                                             gang=(self.spec.group.name, self.spec.cls_name))
                 logger.error("%s", self.dead)
             return
-        logger.warning("gang %s rebuilt in %.1fs after: %s", self.spec.label, loop.time() - t0, error)
+        logger.warning("gang %s rebuilt (%s) in %.1fs%s", self.spec.label, how, loop.time() - t0,
+                       f" after: {error}" if error is not None else "")
 
     async def _placement_ready(self) -> None:
         """Wait until every bundle of the gang is placed on a live node (after a node loss Ray
@@ -405,13 +447,17 @@ class Dispatcher:
             await asyncio.sleep(PLACEMENT_POLL_S)
 
     async def report_failure(self, gen: int, seq: int, rank: int, method: str, cause: str) -> None:
-        """A worker's call raised. Unless a check is already running, look again after the grace
-        period: ranks still inside that call (or an earlier one) are stuck, and the gang goes."""
+        """A worker's call raised. Unless that call is checked already, look again after the
+        grace period: ranks still inside that same call are stuck in a collective, and the gang
+        goes. A gang without torch.distributed has no collective to be stuck in: no check.
+        Ranks still on an earlier call are not stuck by this one's failure."""
         grace = self.spec.stuck_grace_s
-        if grace is None or gen != self.generation or self.stopped:
+        if grace is None or not self.distributed or gen != self.generation or self.stopped:
             return
-        if self._suspect is None or self._suspect.done():
-            self._suspect = asyncio.ensure_future(self._check_stuck(gen, seq, rank, method, cause, grace))
+        if seq not in self._suspects:
+            check = asyncio.ensure_future(self._check_stuck(gen, seq, rank, method, cause, grace))
+            self._suspects[seq] = check
+            check.add_done_callback(lambda _: self._suspects.pop(seq, None))
 
     async def _check_stuck(self, gen, seq, rank, method, cause, grace) -> None:
         await asyncio.sleep(grace)
@@ -423,7 +469,7 @@ class Dispatcher:
         stuck = []
         for r, t in enumerate(asks):
             current = t.result() if t in done else seq  # no answer in time: as good as stuck
-            if current is not None and current <= seq:
+            if current == seq:
                 stuck.append(r)
         if stuck and gen == self.generation and not self.stopped:
             await self._fail(GangStuckError(self.spec.group.name, self.spec.cls_name, rank, stuck,
@@ -442,7 +488,50 @@ class Dispatcher:
     async def _kill_and_start(self) -> dict:
         await self._kill_workers()
         await self._placement_ready()
-        return await self.start()
+        return await self._start_within(self.spec.start_timeout_s)
+
+    async def _start_within(self, limit: float | None) -> dict:
+        """start(), bounded by ``limit`` seconds (a rebuild's ``start_timeout_s``; None: no
+        bound). Past it, what the start built is killed and RuntimeError names the ranks it
+        waited for and on what (e.g. 'the constructor of rank(s) [1]')."""
+        if limit is None:
+            return await self.start()
+        task = asyncio.ensure_future(self.start())
+        try:
+            done, _ = await asyncio.wait([task], timeout=limit)
+        except asyncio.CancelledError:  # the rebuild was ended: so is its start
+            task.cancel()
+            await asyncio.wait([task])
+            raise
+        if task in done:
+            return task.result()
+        late = await self._late_start()
+        task.cancel()
+        await asyncio.wait([task])
+        await self._kill_workers()
+        raise RuntimeError(f"gang {self.spec.label} failed to start: {late} did not finish within "
+                           f"start_timeout_s={limit:g}s (what was built is killed)")
+
+    async def _late_start(self) -> str:
+        """What a start under way still waits for: which ranks, doing what."""
+        what, refs = self._start_waits or ("the start", {})
+        if not refs:
+            return what
+        ready, _ = await asyncio.to_thread(ray.wait, list(refs.values()), num_returns=len(refs),
+                                           timeout=0, fetch_local=False)
+        late = [r for r, ref in refs.items() if ref not in ready] or list(refs)
+        if what != START:
+            return f"{what} of rank(s) {late}"
+        workers = list(self.workers)
+        asks = [asyncio.ensure_future(_quiet(workers[r].start_phase.remote())) for r in late]
+        done, _ = await asyncio.wait(asks, timeout=PROGRESS_QUERY_S)
+        phases: dict[str, list[int]] = {}
+        for r, t in zip(late, asks, strict=True):
+            phase = (t.result() if t in done else None) or START
+            phases.setdefault(phase, []).append(r)
+        for t in asks:
+            t.cancel()
+        return " and ".join(f"{phase} of rank(s) {ranks}" for phase, ranks in phases.items())
 
     def set_restart_policy(self, max_restarts: int, window_s: float | None = None) -> str:
         """Replace the gang's restart policy (a Serve replica sets its own limits here)."""
@@ -452,10 +541,10 @@ class Dispatcher:
     async def _running_workers(self) -> list:
         """The workers once the gang can take a call: after a pending stuck check or rebuild;
         raises the gang's error when it is broken."""
-        if self._suspect is not None and not self._suspect.done():
-            await asyncio.shield(self._suspect)  # a failure was reported: were peers left stuck?
-        if self._restart_task is not None and not self._restart_task.done():
-            await asyncio.shield(self._restart_task)  # an automatic rebuild is under way
+        checks = [t for t in self._suspects.values() if not t.done()]
+        if checks:  # a failure was reported: were peers left stuck?
+            await asyncio.wait(checks)
+        await self._settled()  # a rebuild is under way
         if self.dead is not None:
             raise self.dead
         if not self.workers:
@@ -511,12 +600,15 @@ class Dispatcher:
         return None
 
     async def check_health(self, wait: bool = False) -> None:
-        """Raise WorkerDiedError if the gang is dead (Serve's health check calls this); ``wait``
-        first waits for an automatic rebuild under way."""
-        if wait and self._restart_task is not None and not self._restart_task.done():
-            await asyncio.shield(self._restart_task)
+        """Raise WorkerDiedError if the gang is dead (Serve's health check calls this), and an
+        error while it is being rebuilt; ``wait`` first waits for a rebuild under way (bounded
+        by its ``start_timeout_s``)."""
+        if wait:
+            await self._settled()
         if self.dead is not None:
             raise self.dead
+        if self._restart_task is not None and not self._restart_task.done():
+            raise RuntimeError(f"gang {self.spec.label} is being rebuilt (restart())")
         if not self.workers:
             raise RuntimeError(f"gang {self.spec.label} is not running")
 

@@ -67,30 +67,41 @@ class WorkerDiedError(RuntimeError):
 
 
 class GangRebuildError(WorkerDiedError):
-    """A gang died and its automatic rebuild failed: ``death`` is the death, ``reason`` why the
-    rebuild failed (e.g. a PlacementError naming the missing resources). It is a
-    :class:`WorkerDiedError`, so code that handles deaths handles it too.
+    """A gang is down because its rebuild failed: ``death`` is the death the rebuild followed,
+    ``reason`` why the rebuild failed (e.g. a PlacementError naming the missing resources, or a
+    constructor that did not finish within ``start_timeout_s``), ``how`` which rebuild it was
+    (``'automatic'`` or ``'restart()'``). A ``restart()`` of a gang that had not died has no
+    death: ``gang`` = (group, class) names it, ``rank`` is None and ``kind`` is ``'rebuild'``.
+    It is a :class:`WorkerDiedError`, so code that handles deaths handles it too.
 
     >>> d = WorkerDiedError("g", "Model", 1, "10.0.0.2", "its node was lost", kind="node lost")
     >>> e = GangRebuildError(d, "PlacementError: 2 x {CPU: 1} missing")
     >>> "rebuild failed: PlacementError" in str(e), e.rank
     (True, 1)
+    >>> GangRebuildError(None, "rank 1 hung", "restart()", gang=("g", "Model")).kind
+    'rebuild'
     """
 
-    def __init__(self, death: WorkerDiedError, reason: str):
-        self.group, self.cls, self.rank, self.node = death.group, death.cls, death.rank, death.node
-        self.cause, self.node_id, self.kind = death.cause, death.node_id, death.kind
-        self.death, self.reason = death, reason
+    def __init__(self, death: WorkerDiedError | None, reason: str, how: str = "automatic",
+                 gang: tuple[str, str] | None = None):
+        if death is not None:
+            self.group, self.cls, self.rank, self.node = death.group, death.cls, death.rank, death.node
+            self.cause, self.node_id, self.kind = death.cause, death.node_id, death.kind
+        else:
+            self.group, self.cls = gang or ("?", "?")
+            self.rank, self.node, self.cause, self.node_id, self.kind = None, None, reason, None, "rebuild"
+        self.death, self.reason, self.how = death, reason, how
+        which = "its automatic rebuild" if how == "automatic" else f"its rebuild by {how}"
+        after = "" if death is None else (
+            f" The rebuild followed this death: {str(death).split('. The gang was torn down')[0]}.")
         RuntimeError.__init__(
             self,
-            f"gang of {death.cls} in group '{death.group}' is down: its automatic rebuild failed: "
-            f"{reason}. The rebuild followed this death: "
-            f"{str(death).split('. The gang was torn down')[0]}. "
-            f"Call .restart() on it to try again once the cause is fixed.",
+            f"gang of {self.cls} in group '{self.group}' is down: {which} failed: {reason}."
+            f"{after} Call .restart() on it to try again once the cause is fixed.",
         )
 
     def __reduce__(self):
-        return (type(self), (self.death, self.reason))
+        return (type(self), (self.death, self.reason, self.how, (self.group, self.cls)))
 
 
 class GangStuckError(WorkerDiedError):

@@ -76,6 +76,7 @@ def create_gang(
             distributed=distributed,
             dist_timeout_s=runtime.dist_timeout_s,
             placement_timeout_s=runtime.placement_timeout_s,
+            start_timeout_s=runtime.start_timeout_s,
             seed=runtime.seed,
             namespace=runtime.namespace,
             max_restarts=max_restarts,

@@ -59,7 +59,8 @@ class CallOutput:
 
 @dataclass
 class GangRef:
-    """Enough about a gang to name it in errors and ask its dispatcher about deaths."""
+    """Enough about a gang to name it in errors, ask its dispatcher about deaths and find the
+    dispatcher again by name after its creator respawned it."""
 
     group: str
     cls_name: str
@@ -69,6 +70,9 @@ class GangRef:
     n_workers: int = 1
     dispatcher_node: tuple[str, str] | None = None  # (node id, ip) of the dispatcher, if known
     dispatcher_lost: bool = False  # a call saw the dispatcher dead (its creator may rebuild it)
+    # the dispatcher's actor name and namespace: where a copy looks for a respawned dispatcher
+    label: str | None = None
+    namespace: str | None = None
 
     def death_error(self, exc: BaseException, rank: int | None) -> WorkerDiedError:
         """The WorkerDiedError for a failed ref: the dispatcher's record of the first death.

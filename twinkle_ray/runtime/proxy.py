@@ -37,6 +37,8 @@ from .lazy import GangRef, LazyResult, fetch
 logger = logging.getLogger(__name__)
 
 PUT_THRESHOLD_BYTES = 64 * 1024
+# How long a proxy whose dispatcher died waits for the answer of one found under its name.
+LOOKUP_WAIT_S = 10.0
 # Progress lines on long waits: placement.progress_after_s() / PROGRESS_EVERY_S (one setting
 # for placement and gang start-up: 15 s, or TWINKLE_PROGRESS_AFTER_S).
 
@@ -338,13 +340,27 @@ class GangProxy:
     def _rebuild_dispatcher(self) -> None:
         """The gang's dispatcher died: with ``max_restarts`` (and this proxy its creator's), a
         new dispatcher under the same name rebuilds the gang and restores the last state saved
-        to files; else the dispatcher's death is raised again (today's error)."""
+        to files. Any other proxy (a copy pickled into a worker, or one found by name) looks
+        the gang up by name once: the creator's proxy may have respawned it. Else the
+        dispatcher's death is raised again."""
         g = self._gang
         with self._turn_lock:
             if not g.dispatcher_lost:  # another thread rebuilt it
                 return
+            if self._respawn is None:
+                found = self._find_dispatcher()
+                if found is None:
+                    raise WorkerDiedError(g.group, g.cls_name, None, None,
+                                          f"its dispatcher died and is not rebuilt (no live "
+                                          f"dispatcher under its name '{g.label}'; the proxy "
+                                          f"that created the gang respawns it, with "
+                                          f"max_restarts)", kind="dispatcher")
+                self._use_dispatcher(*found)
+                logger.warning("gang %s: its dispatcher died; found its new one by name",
+                               self._desc["label"])
+                return
             budget = self._respawn_limit
-            if self._respawn is None or self._respawns >= budget:
+            if self._respawns >= budget:
                 raise WorkerDiedError(g.group, g.cls_name, None, None,
                                       "its dispatcher died and is not rebuilt "
                                       f"({self._respawns} of max_restarts={budget} used)",
@@ -356,11 +372,29 @@ class GangProxy:
                 logger.warning("gang %s: no state saved to files; the rebuilt gang starts from "
                                "its constructor (in-memory saves die with the dispatcher)",
                                self._desc["label"])
-            dispatcher, desc = self._respawn(self._saved_files)
-            g.dispatcher, g.dispatcher_node = dispatcher, desc.get("dispatcher_node")
-            g.dispatcher_lost = False
-            self._desc = desc
-            self._caller_id, self._next_turn, self._prev = uuid.uuid4().hex, 0, None
+            self._use_dispatcher(*self._respawn(self._saved_files))
+
+    def _use_dispatcher(self, dispatcher: Any, desc: dict) -> None:
+        """Call the gang through ``dispatcher`` (a new one: this proxy starts a fresh turn)."""
+        g = self._gang
+        g.dispatcher, g.dispatcher_node = dispatcher, desc.get("dispatcher_node")
+        g.dispatcher_lost = False
+        self._desc = desc
+        self._caller_id, self._next_turn, self._prev = uuid.uuid4().hex, 0, None
+
+    def _find_dispatcher(self) -> tuple[Any, dict] | None:
+        """(the live dispatcher registered under the gang's name, its describe()), or None: one
+        lookup and one short wait for its answer (the lost one's name may not be released yet,
+        or no proxy respawned it)."""
+        g = self._gang
+        if g.label is None:
+            return None
+        try:
+            handle = ray.get_actor(g.label, namespace=g.namespace)
+            return handle, ray.get(handle.describe.remote(), timeout=LOOKUP_WAIT_S)
+        except Exception:  # no such actor, the lost one itself, or it did not answer in time
+            logger.debug("gang %s: no live dispatcher found by name", g.label, exc_info=True)
+            return None
 
     def _abort(self, reason: str, ranks: list[int] | None = None) -> None:
         """Tear the gang down: ``ranks`` are stuck in a collective with another gang that failed

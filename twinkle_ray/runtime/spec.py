@@ -46,6 +46,9 @@ class GangSpec:
     max_restarts: int = 0
     restart_window_s: float | None = None  # max_restarts within this many seconds (None: ever)
     placement_timeout_s: float = defaults.PLACEMENT_TIMEOUT_S  # a rebuild waits this long for its bundles to be placed
+    # a rebuild's start (workers up, torch.distributed, constructors, saved state) ends within
+    # this many seconds, or what it built is killed and the gang is down (None: no bound)
+    start_timeout_s: float | None = defaults.START_TIMEOUT_S
     # the group's placement group is this gang's group's alone (not an adopted one, nor the pool
     # of named devices or a colocation host shared with other groups): a rebuild that finds no
     # capacity may remove it, so nothing stays reserved
@@ -64,7 +67,8 @@ class GangSpec:
     def gang_ref(self, dispatcher: Any, dispatcher_node: tuple[str, str] | None = None) -> GangRef:
         """This gang's GangRef, with its dispatcher's handle (and node, to name it if it dies)."""
         return GangRef(self.group.name, self.cls_name, dispatcher, self.mesh,
-                       self.group.gpus_per_worker, len(self.slots), dispatcher_node)
+                       self.group.gpus_per_worker, len(self.slots), dispatcher_node,
+                       label=self.label, namespace=self.namespace)
 
     def proxy(self, dispatcher: Any, desc: dict, gang: GangRef | None = None) -> GangProxy:
         """A GangProxy for this gang (``gang``: an already built GangRef of it)."""

@@ -93,6 +93,7 @@ class GangWorker:
         self.info = info
         self.instance: Any = None
         self.current: int | None = None  # sequence number of the call running now
+        self.phase: str | None = "created"  # what start() is doing (None: started)
         self.metrics = GangMetrics.create(info.metrics, True) if info.metrics else None
 
     def endpoint(self) -> tuple[str, int]:
@@ -119,7 +120,9 @@ class GangWorker:
         os.environ["MASTER_PORT"] = str(master_port)
         backend = None
         if distributed:
+            self.phase = "torch.distributed init"
             backend = self._init_distributed(dist_timeout_s)
+        self.phase = "the constructor"
         if seed is not None:
             _seed_everything(seed)
         # Constructor arguments travel nested in a tuple, so Ray does not resolve the
@@ -127,6 +130,7 @@ class GangWorker:
         args = tuple(resolve_routed(a) for a in args)
         kwargs = {k: resolve_routed(v) for k, v in kwargs.items()}
         self.instance = cls(*args, **kwargs)
+        self.phase = None
         return backend, os.getpid()
 
     def _init_distributed(self, timeout_s: float) -> str:
@@ -215,6 +219,12 @@ class GangWorker:
     def progress(self) -> int | None:
         """The sequence number of the call running now, or None when idle."""
         return self.current
+
+    @ray.method(concurrency_group="control")
+    def start_phase(self) -> str | None:
+        """What ``start`` is doing now ('torch.distributed init', 'the constructor'), or None
+        once the instance is built: what a start past its deadline names."""
+        return self.phase
 
     @ray.method(concurrency_group="control")
     def pid(self) -> int:
