@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7")
-RAY_CPUS = 48  # virtual CPUs: room for a 16-worker gang and its raw twin side by side
+ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B10")
+RAY_CPUS = 80  # virtual CPUs: room for a 32-worker gang and its raw twin side by side
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -76,6 +76,8 @@ def run(argv: list[str] | None = None) -> dict:
             results += cases.bench_scaling(cfg)
         if "B7" in only:
             results += cases.bench_first(cfg)
+        if "B10" in only:
+            results += cases.bench_driver_cpu(cfg)
     finally:
         ray.shutdown()
     return {
@@ -94,6 +96,8 @@ def run(argv: list[str] | None = None) -> dict:
 
 
 def _fmt_time(seconds: float, unit: str) -> str:
+    if unit == "us":
+        return f"{seconds * 1e6:9.1f} us"
     return f"{seconds * 1000:9.2f} ms" if unit == "ms" else f"{seconds:9.3f} s "
 
 

@@ -257,6 +257,8 @@ class GangProxy:
                 spec.dispatch, g.n_workers, args, kwargs, device_mesh=g.mesh,
                 gpus_per_worker=g.gpus_per_worker, method=name, group=g.group,
             )
+            if all(pw is per_worker[0] for pw in per_worker):  # nothing sliced: one entry for
+                per_worker = per_worker[:1]  # all, so the call costs the same at any gang size
         per_worker = _strip_own_gang(put_large(per_worker), g)
         execute = "first" if self._execute == "first" else spec.execute
         caller = _caller() if execute == "peer" else None
