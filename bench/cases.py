@@ -466,11 +466,11 @@ def bench_driver_cpu(cfg: Config) -> list[dict]:
             twinkle.shutdown()
         rows.append(_row(f"B10 driver CPU per lazy call, {n} workers", {
             "twinkle_s": tw, "raw_s": rw, "ratio": tw / rw}, unit="us", gang_size=n))
-    base = rows[0]["twinkle_s"]
-    for r in rows[1:]:
-        r["vs_smallest"] = r["twinkle_s"] / base
-        r["target"] = f"<= 1.2x the {rows[0]['gang_size']}-worker figure (flat)"
-        r["checks"] = [("vs_smallest", "<=", 1.2)]
+    base = rows[0]
+    for r in rows:  # cheaper than the driver's own fan-out, and flat in the gang's size
+        r["vs_smallest"] = r["twinkle_s"] / base["twinkle_s"]
+        r["target"] = f"<= 1.0x raw, <= 1.2x the {base['gang_size']}-worker figure (flat)"
+        r["checks"] = [("ratio", "<=", 1.0), ("vs_smallest", "<=", 1.2)]
     return rows
 
 

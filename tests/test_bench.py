@@ -41,7 +41,8 @@ def report() -> dict:
 def _rows(report: dict, prefix: str) -> list[dict]:
     """The rows of ``prefix`` (what-if and metrics-cost rows aside)."""
     return [r for r in report["results"]
-            if r["name"].startswith(prefix) and not r.get("whatif") and not r.get("metrics_cost")]
+            if r["name"].split(" ", 1)[0] == prefix and not r.get("whatif")
+            and not r.get("metrics_cost")]
 
 
 def _positive(row: dict, *keys: str) -> None:
@@ -59,7 +60,7 @@ def test_quick_bench_reports_every_benchmark(report):
     b6 = [r for r in _rows(report, "B6") if not r.get("slope")]
     for rows, count in ((b1, 2), (_rows(report, "B2"), 1), (_rows(report, "B3"), 1),
                         (_rows(report, "B4"), 1), (_rows(report, "B5"), 1), (b6, 4),
-                        (_rows(report, "B7"), 1)):
+                        (_rows(report, "B7"), 1), (_rows(report, "B10"), 2)):
         assert len(rows) == count, [r["name"] for r in rows]
         for r in rows:
             _positive(r, "twinkle_s", "raw_s", "ratio")
@@ -71,7 +72,10 @@ def test_quick_bench_reports_every_benchmark(report):
     for r in b1:
         _positive(r, "floor_s", "floor_ratio")
         assert r["floor_s"] == floor[0]["floor_s"]  # one rotation: the same floor samples
-    assert [r["workers"] for r in b6] == [1, 2, 4, 8]  # 16 in the full run
+    assert [r["workers"] for r in b6] == [1, 2, 4, 8]  # 16 and 32 in the full run
+    b10 = _rows(report, "B10")  # the driver's CPU per lazy call: flat in the gang's size
+    assert [r["gang_size"] for r in b10] == [4, 16]
+    assert b10[1]["vs_smallest"] == pytest.approx(b10[1]["twinkle_s"] / b10[0]["twinkle_s"])
     [slope] = [r for r in _rows(report, "B6") if r.get("slope")]
     assert slope["workers_fitted"] == [1, 2, 4, 8]
     for key in ("twinkle_ms_per_worker", "raw_ms_per_worker", "extra_ms_per_worker"):
