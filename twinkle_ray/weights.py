@@ -633,7 +633,9 @@ class SyncHandle(Pending):
         self._settled = True
         if errors:
             ws._ok = False  # set up again on the next sync
-            self._error = _first_cause(errors, order)
+            first_stage = self._result if self._result is not None else len(self._ends)
+            self._error = _first_cause({k: _root_error(e, self._ends[k][1]) for k, e in errors.items()},
+                                       order, first_stage)
             return
         for v in values.values():
             if isinstance(v, dict) and "world_size" in v:  # a set-up ran: the channel is new
@@ -644,14 +646,47 @@ class SyncHandle(Pending):
         self._ends = []  # the refs are read: let Ray free them
 
 
-def _first_cause(errors: dict[int, BaseException], order: list[int]) -> BaseException:
-    """The error a failed sync raises: a death (it explains its peers' errors), else the end that
-    failed first, passing over ends that only echo another end's failure."""
+def _is_echo(e: BaseException) -> bool:
+    """An end's error that only repeats another end's failure."""
+    return isinstance(e, SourceFailed | SetupRefused)
+
+
+def _root_error(error: BaseException, lazy: Any) -> BaseException:
+    """The error of one end (a call on every rank of a gang): ``error`` (its first rank's), or,
+    when that one only echoes another end's failure, another rank's own error (noted where)."""
+    import ray
+
+    if not _is_echo(error):
+        return error
+    try:
+        pairs = list(zip(lazy.ranks, lazy.refs, strict=True))
+    except Exception:
+        return error
+    for rank, ref in pairs:
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if cause is not None and not _is_echo(cause):
+                cause.add_note(f"raised in {lazy.gang.cls_name}.{lazy.method}() on rank {rank} of group "
+                               f"'{lazy.gang.group}'")
+                return cause
+        except Exception:  # not finished, or not an exception of the call: keep the first
+            continue
+    return error
+
+
+def _first_cause(errors: dict[int, BaseException], order: list[int], first_stage: int) -> BaseException:
+    """The error a failed sync raises: a death (it explains its peers' errors); else, from the
+    set-up calls if one failed (ends before ``first_stage``: later ones failed because of it),
+    the end that failed first, passing over ends that only echo another end's failure."""
     deaths = [e for e in errors.values() if isinstance(e, WorkerDiedError) and not isinstance(e, GangStuckError)]
     if deaths:
         return deaths[0]
     ranked = [k for k in order if k in errors] + [k for k in errors if k not in order]
-    causes = [k for k in ranked if not isinstance(errors[k], SourceFailed | SetupRefused)]
+    early = [k for k in ranked if k < first_stage]
+    ranked = early or ranked
+    causes = [k for k in ranked if not _is_echo(errors[k])]
     return errors[(causes or ranked)[0]]
 
 
