@@ -91,8 +91,7 @@ def _generation(gang) -> int:
 
 
 def _sync(ws: WeightSync, wait: bool):
-    out = ws.sync(wait=wait)
-    return twinkle_ray.get(out) if not wait else out
+    return ws.sync() if wait else twinkle_ray.get(ws.sync(wait=False))
 
 
 # ------------------------------------------------------------------------------ order
