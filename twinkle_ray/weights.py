@@ -11,8 +11,17 @@ at the rank the driver gave it once, at set-up.
 One sync: the source broadcasts a small JSON manifest (names, dtypes, shapes,
 bucket layout), then the tensors packed into flat buckets of one dtype
 (``bucket_mb``, 32 MB by default; a larger tensor gets a bucket of its own).
-Packing the next bucket overlaps sending the current one. Every wait is
-bounded by the sync's timeout.
+Packing the next bucket overlaps sending the current one. Once every end is
+in the sync, every wait is bounded by the sync's timeout; reaching it (the
+other gang finishing its earlier calls) is not timed (see :class:`WeightSync`).
+
+``sync_weights(..., wait=False)`` returns a :class:`SyncHandle` at once: the
+sync takes its place in both gangs' call order, so a script can generate the
+next batch while the trainer trains (``twinkle_ray.get(handle)`` gives the
+stats). A failure ends the sync on both sides within seconds and hurts only
+what failed: a broken end closes its channel (the others' waits end), a source
+whose ``weight_sync_tensors()`` raises tells the receivers, a receiver that
+fails to join at set-up tells the others through the set-up gate.
 
 Receivers. A sampler worker reaches its receivers through one fan-out hook,
 :meth:`WeightSyncMixin.weight_sync_fanout`: by default the worker itself is
