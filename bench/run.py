@@ -6,6 +6,7 @@ Usage::
     python -m bench --quick     # scaled down: about two minutes on 2 cores
     python -m bench --json      # JSON on stdout, one line (the table goes to stderr)
     python -m bench --only B1,B4
+    python -m bench --only B9   # generation overlapping training (sync_weights(wait=False))
 
 It starts its own local Ray (loopback only) and stops it at the end.
 """
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B10")
+ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B9", "B10")
 RAY_CPUS = 80  # virtual CPUs: room for a 32-worker gang and its raw twin side by side
 
 
@@ -29,7 +30,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     p.add_argument("--json", action="store_true", help="print JSON on stdout, the table on stderr")
-    p.add_argument("--only", default=",".join(ALL), help="comma list of B1..B7 (B1-B3 run together)")
+    p.add_argument("--only", default=",".join(ALL), help="comma list of B1..B7, B9 (B1-B3 run together)")
     p.add_argument("--repeats", type=int, default=None, help="override the repeat count of B1/B6")
     return p.parse_args(argv)
 
@@ -76,6 +77,10 @@ def run(argv: list[str] | None = None) -> dict:
             results += cases.bench_scaling(cfg)
         if "B7" in only:
             results += cases.bench_first(cfg)
+        if "B9" in only:
+            from bench import overlap
+
+            results += overlap.bench_overlap(steps=4 if args.quick else 8)
         if "B10" in only:
             results += cases.bench_driver_cpu(cfg)
     finally:
@@ -141,6 +146,11 @@ def table(report: dict) -> str:
         vs_floor = f"{row['floor_ratio']:7.2f}x" if "floor_ratio" in row else f"{'':8}"
         lines.append(f"{row['name']:<58} {_fmt_time(row['twinkle_s'], unit):>12} "
                      f"{_fmt_time(row['raw_s'], unit):>12} {row['ratio']:6.2f}x {vs_floor}  {_check(row)}")
+        if "staleness" in row:
+            lines.append(f"   per step: samples {row['staleness']} version(s) older than the trainer; sync "
+                         f"alone {row['sync_s']:.3f} s"
+                         + (f"; {row['speedup_vs_sequential']:.2f}x the sequential step rate"
+                            if "speedup_vs_sequential" in row else ""))
         if "throughput_ratio" in row:
             lines.append(f"{'   throughput, calls/s':<58} {row['twinkle_calls_per_s']:12.0f} "
                          f"{row['raw_calls_per_s']:12.0f} {row['throughput_ratio']:6.2f}x")

@@ -27,6 +27,7 @@ metrics.
     python examples/rlhf_grpo.py                 # 100 steps, embedded Ray
     python examples/rlhf_grpo.py --quick         # 20 steps, larger learning rate
     python examples/rlhf_grpo.py --ray-data      # prompts from a Ray Data dataset
+    python examples/rlhf_grpo.py --async 1       # generation of step k+1 overlaps training of step k
     python examples/rlhf_grpo.py --chaos         # SIGKILL a trainer/sampler worker every 5 steps
     python examples/rlhf_grpo.py --checkpoint-dir /tmp/grpo   # a checkpoint every 5 steps
     python examples/rlhf_grpo.py --checkpoint-dir /tmp/grpo --resume   # after the driver died
@@ -35,7 +36,17 @@ metrics.
 It prints one line per step and the reward curve at the end (text, and a
 PNG when matplotlib is installed). The last line is ``RESULT {json}``:
 ``steps``, ``resumed_from`` (the checkpoint's step, or null), ``rewards`` (the
-mean reward of every step of the run, those before a resume included).
+mean reward of every step of the run, those before a resume included),
+``policy_versions`` (per step, the policy version the samples were drawn
+with; the trainer is at version ``step - 1`` when it trains on them) and
+``step_s`` (seconds per step).
+
+``--async N`` runs N-step off-policy (N >= 1): generation of step k+N is
+submitted before training step k, and the weight sync of step k follows both
+without blocking the driver (``sync_weights(..., wait=False)`` takes its place
+in both gangs' call order). The samplers generate while the trainer trains;
+each step trains on samples N versions old (fewer while the pipeline fills),
+and the GRPO ratio uses the sampler's own (behaviour) log-probs.
 
 ``--checkpoint-dir DIR`` saves a checkpoint every ``--checkpoint-every`` steps
 and after the last: ``DIR/step-000010/`` holds every trainer rank's model
@@ -187,7 +198,8 @@ class Reward:
 class Trainer(WeightSyncMixin):
     """The policy under DDP over the gang (gloo); one GRPO step per batch."""
 
-    def __init__(self, device_mesh: DeviceMesh, lr: float, entropy_coef: float, clip: float = 0.2):
+    def __init__(self, device_mesh: DeviceMesh, lr: float, entropy_coef: float, clip: float = 0.2,
+                 max_staleness: int = 0):
         import torch.distributed as dist
 
         self.model = Policy()  # every worker is seeded alike; DDP also broadcasts rank 0's weights
@@ -195,6 +207,7 @@ class Trainer(WeightSyncMixin):
         self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.entropy_coef = entropy_coef
         self.clip = clip
+        self.max_staleness = max_staleness  # --async N: samples up to N versions old are applied
         self.last_metrics: dict = {}
 
     @remote_function(dispatch="slice_dp", collect="mean")
@@ -204,12 +217,15 @@ class Trainer(WeightSyncMixin):
         version = int(self.model.version)
         # Rollouts from other weights (a sampler rebuilt after a crash, or a trainer restored to an
         # older state) are not applied; every rank decides alike, or DDP would wait for the others.
-        fresh = torch.tensor([int(bool((np.asarray(rollouts["version"]) == version).all()))])
+        # With --async N, samples up to N versions old are the plan.
+        age = version - np.asarray(rollouts["version"])
+        fresh = torch.tensor([int(bool(((age >= 0) & (age <= self.max_staleness)).all()))])
+        sample_version = float(np.min(rollouts["version"]))
         if dist.is_initialized():
             dist.all_reduce(fresh, op=dist.ReduceOp.MIN)
         if not fresh.item():
             return {"loss": 0.0, "entropy": 0.0, "reward": float(np.mean(scores["reward"])),
-                    "applied": 0.0, "version": float(version)}
+                    "applied": 0.0, "version": float(version), "sample_version": sample_version}
         prompts = torch.tensor(rollouts["prompt"])
         answers = torch.tensor(rollouts["answer"])
         old_logp = torch.tensor(rollouts["logp"])
@@ -226,7 +242,7 @@ class Trainer(WeightSyncMixin):
         self.model.version += 1
         self.last_metrics = {"loss": loss.item(), "entropy": entropy.item(),
                              "reward": float(np.mean(scores["reward"])), "applied": 1.0,
-                             "version": float(version + 1)}
+                             "version": float(version + 1), "sample_version": sample_version}
         return self.last_metrics
 
     @remote_function(dispatch="all", execute="first", collect="first")
@@ -295,7 +311,7 @@ def prompts_of(rows: list[dict]) -> list:
 
 
 def build(*, lr: float, batch_size: int, group_size: int, entropy_coef: float, seed: int,
-          num_prompts: int, ray_data: bool, chaos: bool = False):
+          num_prompts: int, ray_data: bool, chaos: bool = False, max_staleness: int = 0):
     """The four gangs: (loader, sampler, reward, trainer); with ``chaos`` the self-rebuilding ones."""
     sampler_mesh = DeviceMesh.from_sizes(dp_size=2, device_type="cpu")
     trainer_mesh = DeviceMesh.from_sizes(dp_size=2, device_type="cpu")
@@ -308,29 +324,32 @@ def build(*, lr: float, batch_size: int, group_size: int, entropy_coef: float, s
     sampler_cls, trainer_cls = (ChaosSampler, ChaosTrainer) if chaos else (Sampler, Trainer)
     sampler = sampler_cls(sampler_mesh, group_size, seed, remote_group="sampler")
     reward = Reward(group_size, remote_group="reward")
-    trainer = trainer_cls(trainer_mesh, lr, entropy_coef, remote_group="trainer")
+    trainer = trainer_cls(trainer_mesh, lr, entropy_coef, max_staleness=max_staleness, remote_group="trainer")
     return loader, sampler, reward, trainer
 
 
 def run(steps: int = 100, *, lr: float = 0.005, batch_size: int = 16, group_size: int = 8,
         entropy_coef: float = 0.05, seed: int = 0, num_prompts: int = 4096, ray_data: bool = False,
         checkpoint_dir: str | None = None, checkpoint_every: int = 5, resume: bool = False,
-        log=print) -> dict:
+        async_steps: int = 0, log=print) -> dict:
     """Train for ``steps`` steps; returns {'rewards': [...], 'sync': [SyncStats...], 'seconds': s,
-    'resumed_from': step or None, 'checkpoints': [steps saved]}.
+    'resumed_from': step or None, 'checkpoints': [steps saved], 'policy_versions': [...],
+    'step_s': [...]}.
 
     With ``checkpoint_dir``, a checkpoint is saved every ``checkpoint_every``
     steps and after the last one (see examples/checkpointing.py); with
     ``resume``, the run continues after the newest complete checkpoint there
     (``rewards`` then holds the whole run, the steps before the resume included).
-    Needs ``twinkle.initialize`` (with :func:`groups`) first.
+    ``async_steps`` N > 0: N-step off-policy (see the module docstring; not
+    with checkpoints). Needs ``twinkle.initialize`` (with :func:`groups`) first.
     """
     loader, sampler, reward, trainer = build(
         lr=lr, batch_size=batch_size, group_size=group_size, entropy_coef=entropy_coef, seed=seed,
-        num_prompts=num_prompts, ray_data=ray_data)
+        num_prompts=num_prompts, ray_data=ray_data, max_staleness=async_steps)
     ckpt, latest = checkpointing.open_checkpoints(checkpoint_dir, resume)
     saved_gangs = {"trainer": trainer, "sampler": sampler}
     rewards, syncs, saves, first_step = [], [], [], 1
+    versions, step_s = [], []
     if latest is not None:
         state = checkpointing.restore(latest, loader=loader, gangs=saved_gangs)
         rewards, first_step = list(state["history"]), latest.step + 1
@@ -340,30 +359,49 @@ def run(steps: int = 100, *, lr: float = 0.005, batch_size: int = 16, group_size
 
     start = time.perf_counter()
     batches = endless(loader)
+    ahead: list = []  # rollouts (and their scores) generated ahead of training: at most async_steps
+    handles: list = []
+    made = first_step  # the next step whose rollouts are to be generated
+    t0 = time.perf_counter()
     for step in range(first_step, steps + 1):
-        t0 = time.perf_counter()
-        prompts = next(batches)                       # LazyResult in the loader's worker
-        rollouts = sampler.generate(prompts)          # each sampler pulls its half
-        scores = reward.score(rollouts)               # rollouts go sampler -> reward directly
-        metrics = trainer.train_step(rollouts, scores)()   # the only value the driver reads
-        stats = sync_weights(trainer, sampler)
+        while made <= min(step + async_steps, steps):  # --async N: generation runs N steps ahead
+            prompts = next(batches)                   # LazyResult in the loader's worker
+            rollouts = sampler.generate(prompts)      # each sampler pulls its half
+            ahead.append((rollouts, reward.score(rollouts)))   # rollouts go sampler -> reward directly
+            made += 1
+        rollouts, scores = ahead.pop(0)
+        metrics = trainer.train_step(rollouts, scores)
+        # After this step's training and the generation submitted above, in both gangs' order;
+        # with --async the driver goes on at once.
+        handles.append(sync_weights(trainer, sampler, wait=not async_steps))
+        metrics = metrics()                           # the only value the driver reads
+        done = handles[-1] if not async_steps else handles[-2] if len(handles) > 1 else None
+        stats = twinkle.get(done)                     # --async: the previous step's sync (finished)
         rewards.append(metrics["reward"])
-        syncs.append(stats)
-        log(step_line(step, steps, metrics, stats, time.perf_counter() - t0))
+        versions.append(int(metrics["sample_version"]))
+        now = time.perf_counter()
+        step_s.append(now - t0)
+        log(step_line(step, steps, metrics, stats, now - t0))
+        t0 = now
         if ckpt is not None and (step % checkpoint_every == 0 or step == steps):
             t1 = time.perf_counter()
             path = checkpointing.save(ckpt, step, loader=loader, gangs=saved_gangs,
                                       version=trainer.status()()["version"], history=rewards)
             saves.append(step)
             log(f"checkpoint: step {step} saved in {path} ({time.perf_counter() - t1:.2f}s)")
+            t0 = time.perf_counter()
+    syncs = [twinkle.get(h) for h in handles]
     return {"rewards": rewards, "sync": syncs, "seconds": time.perf_counter() - start,
-            "resumed_from": latest.step if latest is not None else None, "checkpoints": saves}
+            "resumed_from": latest.step if latest is not None else None, "checkpoints": saves,
+            "policy_versions": versions, "step_s": step_s}
 
 
 def step_line(step: int, steps: int, metrics: dict, stats, seconds: float) -> str:
+    sync = f"sync {stats.bytes / 1e6:.2f} MB {stats.seconds * 1e3:.1f} ms" if stats is not None else "sync -"
+    version = (f"  samples v{int(metrics['sample_version'])} (trainer v{int(metrics['version']) - 1})"
+               if "sample_version" in metrics else "")
     return (f"step {step:3d}/{steps}  reward {metrics['reward']:.3f}  loss {metrics['loss']:+.4f}  "
-            f"entropy {metrics['entropy']:.2f}  sync {stats.bytes / 1e6:.2f} MB {stats.seconds * 1e3:.1f} ms  "
-            f"step {seconds:.2f}s")
+            f"entropy {metrics['entropy']:.2f}  {sync}{version}  step {seconds:.2f}s")
 
 
 # ------------------------------------------------------------------------------ --chaos
@@ -796,6 +834,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=None, help="learning rate (default 0.005; 0.01 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ray-data", action="store_true", help="feed prompts from a Ray Data dataset")
+    parser.add_argument("--async", dest="async_steps", type=int, default=0, metavar="N",
+                        help="N-step off-policy: generate N steps ahead of training, the weight sync "
+                             "not blocking the driver (default 0: generate, train, sync in turn)")
     parser.add_argument("--chaos", action="store_true",
                         help="SIGKILL a random trainer or sampler worker every --kill-every steps; "
                              "the loop recovers and redoes the step")
@@ -810,6 +851,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.chaos and (args.checkpoint_dir or args.resume):
         parser.error("--checkpoint-dir/--resume go with the plain loop, not with --chaos")
+    if args.async_steps < 0:
+        parser.error("--async must be >= 0")
+    if args.async_steps and (args.chaos or args.chaos_nodes or args.checkpoint_dir):
+        parser.error("--async goes with the plain loop (no --chaos, --chaos-nodes or --checkpoint-dir)")
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
     if args.checkpoint_every < 1:
@@ -831,7 +876,7 @@ def main(argv: list[str] | None = None) -> int:
             out = run_chaos(steps, kill_every=args.kill_every, lr=lr, seed=args.seed, ray_data=args.ray_data)
         else:
             out = run(steps, lr=lr, seed=args.seed, ray_data=args.ray_data, checkpoint_dir=args.checkpoint_dir,
-                      checkpoint_every=args.checkpoint_every, resume=args.resume)
+                      checkpoint_every=args.checkpoint_every, resume=args.resume, async_steps=args.async_steps)
     finally:
         twinkle.shutdown()
     rewards = out["rewards"]
@@ -850,7 +895,9 @@ def main(argv: list[str] | None = None) -> int:
                     title='GRPO on CPU with twinkle_ray')
     print(f"reward curve PNG: {png}" if png else "reward curve PNG: skipped (matplotlib is not installed)")
     result = {"steps": len(rewards), "resumed_from": out.get("resumed_from"), "rewards": rewards,
-              "checkpoints": out.get("checkpoints", []), "seconds": out["seconds"]}
+              "checkpoints": out.get("checkpoints", []), "seconds": out["seconds"],
+              "async": args.async_steps, "policy_versions": out.get("policy_versions", []),
+              "step_s": out.get("step_s", [])}
     print("RESULT " + json.dumps(result), flush=True)  # the last line (before the chaos: line with --chaos)
     if not args.chaos:
         return 0

@@ -162,3 +162,19 @@ def test_pipeline_parallel_trainer_keeps_the_sampler_in_step(ray_session, capsys
         print("\n--pp 2:", {k: v for k, v in result.items() if k not in ("rewards", "logprob_gaps")})
     assert result["trainer_layout"] == "pp=2" and len(result["logprob_gaps"]) == 3
     assert result["max_logprob_gap"] <= 1e-4, result["logprob_gaps"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@needs_stack
+def test_async_quick_run_learns_one_version_behind(ray_session, capsys, tmp_path):
+    """--async 1: the engines generate step k+1 while Megatron trains step k; every step after the
+    first trains on samples one version old, and after every sync the engines match the trainer."""
+    result, out = _run(capsys, ["--device", "cpu", "--quick", "--async", "1", "--out-dir", str(tmp_path)])
+    with capsys.disabled():
+        print("\n--async 1:", {k: v for k, v in result.items() if k not in ("rewards", "logprob_gaps")})
+    versions = result["policy_versions"]
+    assert result["async"] == 1 and len(versions) == len(result["step_s"]) == 40
+    assert [k - v for k, v in enumerate(versions)] == [0] + [1] * 39, versions
+    assert result["max_logprob_gap"] <= 1e-4, result["logprob_gaps"]
+    assert result["reward_last"] > result["reward_first"], (result["reward_first"], result["reward_last"])

@@ -37,6 +37,10 @@ __all__ = ["ReceiverEnd", "SyncStats", "WeightChannel", "fingerprint", "load_int
 
 DEFAULT_BUCKET_MB = 32
 DEFAULT_TIMEOUT_S = 300.0
+# How long an end waits for the other ends to reach a sync on an established channel (their gangs
+# may still be running the calls made before it). Not the transfer's timeout: that starts once
+# every end has arrived. A death ends this wait at once (the dead peer's connections close).
+PEER_WAIT_S = 24 * 3600.0
 _FP_CHUNK = 1 << 20
 _INT_VIEW = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
@@ -160,6 +164,9 @@ class WeightChannel:
         self.sent: dict[str, tuple[int, int]] = {}
         self.tracking = False  # record fingerprints (from the first only_changed sync on)
         self.syncs = 0
+        # How long a sync waits for every end to arrive (see arrive()): the timeout, unless the
+        # owner knows the ends reach a sync at different times (gangs: PEER_WAIT_S).
+        self.peer_wait = self.timeout
 
     @classmethod
     def host(cls, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S, host_ip: str | None = None) -> WeightChannel:
@@ -197,6 +204,7 @@ class WeightChannel:
         import torch.distributed as dist
 
         store = dist.PrefixStore(prefix, self.store)
+        self._gate(store)
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             self.pg = dist.ProcessGroupNCCL(store, self.rank, self.world_size, opts)
@@ -211,6 +219,56 @@ class WeightChannel:
         self._bcast(torch.zeros(1, dtype=torch.int64, device=self.device)).wait(self.timeout)
         return self
 
+    def _gate(self, store: Any) -> None:
+        """Set-up: wait until every rank has reached the channel, or one of them failed.
+
+        Each rank but the host counts itself in; the last one opens the gate. A rank that fails
+        before it gets there writes its error into the gate instead (:meth:`refuse`), so no rank
+        waits in the rendezvous for the whole timeout. Bounded by the channel's timeout.
+        """
+        if self.rank != 0 and store.add("arrived", 1) == self.world_size - 1:
+            store.set("gate", "open")
+        store.wait(["gate"], self.timeout)
+        state = store.get("gate").decode()
+        if state != "open":
+            raise SetupRefused(f"weight sync: the set-up failed on another end: {state}")
+
+    @staticmethod
+    def refuse(addr: str, port: int, message: str, prefix: str = "twinkle-weights",
+               timeout_s: float = 10.0) -> None:
+        """Tell every end of a channel being set up that this one failed (best effort).
+
+        The ends waiting at the set-up gate raise ``message`` at once instead of waiting for
+        their timeout.
+        """
+        import torch.distributed as dist
+
+        try:
+            store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+            dist.PrefixStore(prefix, store).set("gate", message)
+        except Exception:  # the host is gone too: nobody is left waiting on it
+            logger.debug("weight sync: could not refuse the set-up at %s:%s", addr, port, exc_info=True)
+
+    def arrive(self) -> None:
+        """Wait until every end has reached this sync (the first step of a send and a receive).
+
+        Bounded by ``peer_wait`` (the channel's timeout unless set: gang ends, whose gangs may
+        still be running earlier calls, use ``PEER_WAIT_S``); the channel's timeout bounds every
+        step after it. A peer that dies meanwhile ends the wait at once (its connections close).
+        """
+        import torch
+        import torch.distributed as dist
+
+        opts = dist.AllreduceOptions()
+        opts.timeout = self.peer_wait
+        self.pg.allreduce([torch.zeros(1, device=self.device)], opts).wait()
+
+    def fail(self, message: str) -> None:
+        """Source: end this sync with an error on every receiver (they raise ``message``);
+        the channel stays in step for the next sync."""
+        self.arrive()
+        self._send_manifest({"error": message})
+
     def _bcast(self, tensor: Any) -> Any:
         return self.pg.broadcast(tensor, 0, self.timeout)
 
@@ -224,14 +282,23 @@ class WeightChannel:
         bucket_mb: float = DEFAULT_BUCKET_MB,
     ) -> SyncStats:
         """Broadcast tensors (rank 0). ``names``: only these; ``only_changed``: only the changed ones."""
-        import torch
-
         t0 = time.perf_counter()
         try:
             items, prints = self._select(list(named_tensors), names, only_changed)
         except Exception as e:
-            self._send_manifest({"error": f"{type(e).__name__}: {e}"})
+            self.fail(f"{type(e).__name__}: {e}")
             raise
+        prepare_s = time.perf_counter() - t0
+        try:
+            self.arrive()
+            return self._send(items, prints, bucket_mb, prepare_s)
+        except BaseException:
+            self.close()  # broken mid-transfer: closing it ends the peers' waits at once
+            raise
+
+    def _send(self, items: list, prints: dict, bucket_mb: float, prepare_s: float) -> SyncStats:
+        import torch
+
         start = time.perf_counter()
         buckets = _buckets(items, int(bucket_mb * 2**20))
         manifest = {
@@ -261,7 +328,7 @@ class WeightChannel:
         self.sent.update(prints)
         self.syncs += 1
         return SyncStats(tensors=len(items), bytes=total, buckets=len(buckets),
-                         seconds=time.perf_counter() - start, prepare_s=start - t0,
+                         seconds=time.perf_counter() - start, prepare_s=prepare_s,
                          names=[n for n, _ in items], backend=self.backend or "",
                          receivers=self.world_size - 1)
 
@@ -325,8 +392,15 @@ class WeightChannel:
 
         >>> # ch.receive(lambda buckets: engine.reload_weights(i for b in buckets for i in b))
         """
-        start = time.perf_counter()
-        manifest = self._recv_manifest()
+        try:
+            self.arrive()
+            start = time.perf_counter()  # the transfer: from the moment every end is here
+            manifest = self._recv_manifest()
+        except SourceFailed:
+            raise  # told by the source: the channel is still in step
+        except BaseException:
+            self.close()  # broken: closing it ends the other ends' waits at once
+            raise
         specs = manifest["tensors"]
         totals = {"bytes": 0}
         buckets = self._bucket_stream(specs, manifest["buckets"], totals)
@@ -340,6 +414,7 @@ class WeightChannel:
                 pass
         except BaseException as e:  # the transfer itself failed (timeout, peer gone)
             error = error or e
+            self.close()
         self.syncs += 1
         if error is not None:
             raise error
@@ -356,7 +431,7 @@ class WeightChannel:
         self._bcast(body).wait(self.timeout)
         manifest = json.loads(bytes(body.cpu().numpy()).decode())
         if "error" in manifest:
-            raise RuntimeError(f"weight sync: the source failed: {manifest['error']}")
+            raise SourceFailed(f"weight sync: the source failed: {manifest['error']}")
         return manifest
 
     def _bucket_stream(self, specs: list, buckets: list[list[int]], totals: dict) -> Iterator[list]:
@@ -372,8 +447,13 @@ class WeightChannel:
         nxt = post(buckets[0]) if buckets else None
         for k, bucket in enumerate(buckets):
             work, buf = nxt
-            nxt = post(buckets[k + 1]) if k + 1 < len(buckets) else None
-            work.wait(self.timeout)
+            try:
+                nxt = post(buckets[k + 1]) if k + 1 < len(buckets) else None
+                work.wait(self.timeout)
+            except BaseException:
+                nxt = work = None
+                self.close()  # broken: closing it ends the other ends' waits at once
+                raise
             totals["bytes"] += buf.numel() * buf.element_size()
             out, offset = [], 0
             for i in bucket:
@@ -392,6 +472,14 @@ class WeightChannel:
             except Exception:  # already broken: dropping it is enough
                 logger.debug("weight sync: process group shutdown failed", exc_info=True)
         self.store = None
+
+
+class SetupRefused(RuntimeError):
+    """An end's error when another end told the set-up gate that it failed (:meth:`WeightChannel.refuse`)."""
+
+
+class SourceFailed(RuntimeError):
+    """A receiver's error when the source told it that it failed (the channel stays in step)."""
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -509,6 +597,7 @@ class ReceiverEnd:
         self.close(channel)
         ch = WeightChannel.connect(addr, port, int(mine[0]), world_size, timeout_s)
         self.channels[channel] = ch.join(backend, prefix=f"twinkle-weights/{channel}")
+        ch.peer_wait = timedelta(seconds=PEER_WAIT_S)  # the source's gang may still be busy
         return ch.rank
 
     def ready(self, channel: str) -> bool:

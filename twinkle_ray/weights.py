@@ -11,8 +11,17 @@ at the rank the driver gave it once, at set-up.
 One sync: the source broadcasts a small JSON manifest (names, dtypes, shapes,
 bucket layout), then the tensors packed into flat buckets of one dtype
 (``bucket_mb``, 32 MB by default; a larger tensor gets a bucket of its own).
-Packing the next bucket overlaps sending the current one. Every wait is
-bounded by the sync's timeout.
+Packing the next bucket overlaps sending the current one. Once every end is
+in the sync, every wait is bounded by the sync's timeout; reaching it (the
+other gang finishing its earlier calls) is not timed (see :class:`WeightSync`).
+
+``sync_weights(..., wait=False)`` returns a :class:`SyncHandle` at once: the
+sync takes its place in both gangs' call order, so a script can generate the
+next batch while the trainer trains (``twinkle_ray.get(handle)`` gives the
+stats). A failure ends the sync on both sides within seconds and hurts only
+what failed: a broken end closes its channel (the others' waits end), a source
+whose ``weight_sync_tensors()`` raises tells the receivers, a receiver that
+fails to join at set-up tells the others through the set-up gate.
 
 Receivers. A sampler worker reaches its receivers through one fan-out hook,
 :meth:`WeightSyncMixin.weight_sync_fanout`: by default the worker itself is
@@ -65,15 +74,20 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 from .core.context import get_rank
 from .core.functions import remote_function
-from .runtime.errors import GangStuckError, WorkerDiedError
+from .runtime.errors import CallTimeoutError, GangStuckError, WorkerDiedError
+from .runtime.lazy import Pending
 from .weight_channel import (
     DEFAULT_BUCKET_MB,
     DEFAULT_TIMEOUT_S,
+    PEER_WAIT_S,
     ReceiverEnd,
+    SetupRefused,
+    SourceFailed,
     SyncStats,
     WeightChannel,
     _is_dtensor,
@@ -84,8 +98,8 @@ from .weight_channel import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ReceiverEnd", "SyncStats", "WeightChannel", "WeightSync", "WeightSyncMixin", "fingerprint",
-           "load_into", "sync_weights"]
+__all__ = ["ReceiverEnd", "SyncHandle", "SyncStats", "WeightChannel", "WeightSync", "WeightSyncMixin",
+           "fingerprint", "load_into", "sync_weights"]
 
 SYNC_GRACE_S = 3.0  # after one end of a sync failed, how long the others get to finish
 SETTLE_READ_S = 30.0  # reading the outcome of an end that has finished or was torn down
@@ -259,37 +273,59 @@ class WeightSyncMixin:
             facts = list(self.weight_sync_fanout("probe"))
         return [{**f, "rank": get_rank()} for f in facts]
 
-    @remote_function(dispatch="all", execute="first")
-    def weight_sync_host(self, channel: str, world_size: int, timeout_s: float) -> tuple[str, int]:
-        """Source rank 0: host the channel's TCPStore; returns its (ip, port)."""
+    @remote_function(dispatch="all", execute="first", collect="first")
+    def weight_sync_open(self, channel: str, timeout_s: float, backend: str | None, source: list[dict],
+                         *targets: list[dict]) -> dict:
+        """Source rank 0: from the probes (``source``: this gang's, ``targets``: each target gang's),
+        give every receiver its channel rank and choose the backend; host the channel's TCPStore.
+
+        Returns the set-up every end joins with: ``addr``, ``port``, ``world_size``, ``backend``,
+        ``timeout_s`` and ``plan`` (per target gang: gang rank -> [[receiver index, channel rank]]).
+        """
+        plan = WeightSync._rank_plan(list(targets))
+        world_size = 1 + sum(len(pairs) for gang in plan for pairs in gang.values())
+        backend = backend or ("nccl" if all(x["cuda"] for p in (source, *targets) for x in p) else "gloo")
         old = self._weight_channels().pop(channel, None)
         if old is not None:
             old.close()
         ch = WeightChannel.host(world_size, timeout_s)
         self._weight_channels()[channel] = ch
-        return ch.address
+        addr, port = ch.address
+        return {"addr": addr, "port": port, "world_size": world_size, "backend": backend,
+                "timeout_s": timeout_s, "plan": plan}
 
     @remote_function(dispatch="all", collect="flatten")
-    def weight_sync_join(self, channel: str, addr: str, port: int, role: str, world_size: int,
-                         backend: str, timeout_s: float, ranks: dict | None = None) -> list[int]:
+    def weight_sync_join(self, channel: str, setup: dict, role: str, gang: int = 0) -> list[int]:
         """Join the channel's process group: the source's rank 0, or every receiver of this worker.
 
-        ``ranks`` (receivers): gang rank -> [[receiver index, channel rank], ...], decided once by
-        the driver at set-up.
+        ``setup``: what :meth:`weight_sync_open` returned; ``gang``: the index of this target gang
+        in its plan. Every end waits at the set-up gate until all have arrived; one that fails
+        here tells the others at once (:meth:`WeightChannel.refuse`), so none waits for its timeout.
         """
+        prefix = f"twinkle-weights/{channel}"
         if role == "source":
             if get_rank() != 0:
                 return []
             ch = self._weight_channels().get(channel)
             if ch is None:
-                raise RuntimeError(f"weight sync channel {channel!r}: weight_sync_host was not called here")
-            ch.join(backend, prefix=f"twinkle-weights/{channel}")
+                raise RuntimeError(f"weight sync channel {channel!r}: weight_sync_open was not called here")
+            ch.join(setup["backend"], prefix=prefix)
+            ch.peer_wait = timedelta(seconds=PEER_WAIT_S)  # the targets' gangs may still be busy
             return [ch.rank]
-        mine = (ranks or {}).get(get_rank())
-        if not mine:
-            raise RuntimeError(f"weight sync channel {channel!r}: the driver gave gang rank {get_rank()} "
-                               f"no channel rank (ranks {ranks})")
-        return list(self.weight_sync_fanout("join", channel, addr, port, mine, world_size, backend, timeout_s))
+        addr, port = setup["addr"], setup["port"]
+        try:
+            mine = setup["plan"][gang].get(get_rank())
+            if not mine:
+                raise RuntimeError(f"weight sync channel {channel!r}: the set-up gave gang rank {get_rank()} "
+                                   f"no channel rank (plan {setup['plan'][gang]})")
+            return list(self.weight_sync_fanout("join", channel, addr, port, mine, setup["world_size"],
+                                                setup["backend"], setup["timeout_s"]))
+        except SetupRefused:
+            raise  # another end failed first and said so
+        except Exception as e:
+            WeightChannel.refuse(addr, port, f"{type(self).__name__}.weight_sync_join on rank {get_rank()}: "
+                                             f"{type(e).__name__}: {e}", prefix=prefix)
+            raise
 
     @remote_function(dispatch="all", collect="flatten")
     def weight_sync_ready(self, channel: str, role: str) -> list[bool]:
@@ -304,11 +340,20 @@ class WeightSyncMixin:
     @remote_function(dispatch="all", collect="flatten")
     def weight_sync_send(self, channel: str, names: list[str] | None = None, only_changed: bool = False,
                          bucket_mb: float = DEFAULT_BUCKET_MB) -> list[SyncStats]:
-        """Source: every rank builds its tensors (may gather), rank 0 broadcasts them."""
-        tensors = self.weight_sync_tensors()
+        """Source: every rank builds its tensors (may gather), rank 0 broadcasts them.
+
+        If ``weight_sync_tensors()`` raises on rank 0, the receivers are told (they raise the
+        same message, and the channel stays in step); the error is raised here.
+        """
+        ch = self._weight_channels().get(channel)
+        try:
+            tensors = self.weight_sync_tensors()
+        except Exception as e:
+            if get_rank() == 0 and ch is not None and ch.pg is not None:
+                ch.fail(f"{type(self).__name__}.weight_sync_tensors() on rank 0: {type(e).__name__}: {e}")
+            raise
         if get_rank() != 0:
             return []
-        ch = self._weight_channels().get(channel)
         if ch is None or ch.pg is None:
             raise RuntimeError(
                 f"weight sync channel {channel!r} is not set up in this worker (was the gang "
@@ -339,8 +384,21 @@ class WeightSync:
     Set up on the first :meth:`sync` (or :meth:`setup`) and reused; set up
     again by itself when a gang was restarted or a sync failed.
 
+    A sync is a few calls on each gang, made at once and in each gang's order
+    (``wait=False`` returns a :class:`SyncHandle` without waiting): the source
+    gang's ``weight_sync_send`` and every target gang's ``weight_sync_recv``,
+    preceded, when the channel must be set up, by ``weight_sync_probe`` on
+    both, ``weight_sync_open`` on the source (it reads the probes: it waits for
+    the targets to reach their turn) and ``weight_sync_join`` on both.
+
+    Timeouts: an end that reaches the sync first waits for the others (their
+    gangs may still run calls made before it) without a timeout on an
+    established channel (``PEER_WAIT_S``; a death ends that wait at once), and
+    up to ``timeout_s`` at set-up. Once every end is in the sync, each step of
+    the transfer is bounded by ``timeout_s``.
+
     >>> # ws = WeightSync(trainer, sampler, timeout_s=120)
-    >>> # ws.sync(); ws.sync(only_changed=True); ws.close()
+    >>> # ws.sync(); h = ws.sync(only_changed=True, wait=False); ...; twinkle_ray.get(h); ws.close()
     """
 
     def __init__(self, source: Any, targets: Any, *, backend: str | None = None,
@@ -354,38 +412,29 @@ class WeightSync:
         self.world_size = 0
         self.backend_used: str | None = None
         self._ok = False
+        self._generations: tuple = ()  # each gang's generation when the channel was set up
+        self._last: SyncHandle | None = None
         self._remote = _is_gang(source)
         if any(_is_gang(t) != self._remote for t in self.targets):
             raise TypeError("WeightSync: source and targets must all be gangs or all be local objects")
 
     def setup(self) -> None:
-        """Build the process group: host on the source's rank 0, join everyone concurrently."""
+        """Build the process group now: host on the source's rank 0, join everyone concurrently."""
         if not self._remote:
             self._ok = True
             return
-        from .runtime.session import get
-
-        wait = self.timeout_s + 30
-        probes = [get(self.source.weight_sync_probe("source"), wait)]
-        probes += [get(g.weight_sync_probe("target"), wait) for g in self.targets]
-        plan = self._rank_plan(probes[1:])  # every receiver's channel rank, decided once here
-        self.world_size = 1 + sum(len(pairs) for gang in plan for pairs in gang.values())
-        backend = self.backend or ("nccl" if all(x["cuda"] for p in probes for x in p) else "gloo")
-        addr, port = get(self.source.weight_sync_host(self.channel, self.world_size, self.timeout_s), wait)
-        joins = [self.source.weight_sync_join(self.channel, addr, port, "source", self.world_size,
-                                              backend, self.timeout_s)]
-        for g, ranks in zip(self.targets, plan, strict=True):
-            joins.append(g.weight_sync_join(self.channel, addr, port, "target", self.world_size,
-                                            backend, self.timeout_s, ranks))
-        # Receivers first: one that fails (a bad rank plan, an unreachable store) fails fast, while
-        # the source waits inside the rendezvous until its timeout.
-        ranks = [r for j in [*joins[1:], joins[0]] for r in get(j, wait)]
-        if sorted(ranks) != list(range(self.world_size)):
-            raise RuntimeError(f"weight sync: joined ranks {sorted(ranks)}, expected 0..{self.world_size - 1}")
-        self.backend_used = backend
+        SyncHandle(self, self._open(), None, self.timeout_s + 30).get()
         self._ok = True
-        logger.info("weight sync %s: %s group of %d (source + %d receiver(s)) at %s:%d",
-                    self.channel, backend, self.world_size, self.world_size - 1, addr, port)
+
+    def _open(self) -> list[tuple[Any, Any]]:
+        """Submit the set-up calls (nothing waits here); returns them as (gang, LazyResult) ends."""
+        src = self.source.weight_sync_probe("source")
+        tgt = [g.weight_sync_probe("target") for g in self.targets]
+        setup = self.source.weight_sync_open(self.channel, self.timeout_s, self.backend, src, *tgt)
+        joins = [(self.source, self.source.weight_sync_join(self.channel, setup, "source"))]
+        joins += [(g, g.weight_sync_join(self.channel, setup, "target", i)) for i, g in enumerate(self.targets)]
+        self._generations = self._gang_generations()
+        return [(self.source, src), *zip(self.targets, tgt, strict=True), (self.source, setup), *joins]
 
     @staticmethod
     def _rank_plan(probes: list[list[dict]]) -> list[dict[int, list[list[int]]]]:
@@ -413,86 +462,111 @@ class WeightSync:
             flags += get(g.weight_sync_ready(self.channel, "target"), wait)
         return bool(flags) and all(flags)
 
-    def sync(self, *, names: Sequence[str] | None = None, only_changed: bool = False) -> SyncStats:
-        """Send the source's tensors (all, ``names``, or the changed ones) to every receiver."""
-        if not self._remote:
-            return _local_sync(self.source, self.targets, names)
-        from .runtime.session import get
-
-        if not self._ok or not self._ready():
-            self.setup()
-        names = list(names) if names is not None else None
-        sent = self.source.weight_sync_send(self.channel, names, only_changed, self.bucket_mb)
-        got = [g.weight_sync_recv(self.channel) for g in self.targets]
-        ends = list(zip([self.source, *self.targets], [sent, *got], strict=True))
-        first = self._settle(ends, self.timeout_s + 30)
-        errors: list[tuple[int, BaseException]] = []
-        stats = None
-        for k, (_, lazy) in enumerate(ends):  # every end has finished or been torn down by now
+    def _gang_generations(self) -> tuple:
+        """Each gang's build number, asked of its dispatcher (it answers at once, whatever the
+        gang is running): a rebuilt gang holds no channel."""
+        out = []
+        for g in [self.source, *self.targets]:
             try:
-                value = get(lazy, SETTLE_READ_S)
-            except Exception as e:
-                errors.append((k, e))
-            else:
-                stats = value if k == 0 else stats
-        if errors:
-            self._ok = False  # set up again on the next sync
-            # A death explains its peers' errors (a reset connection on the other side): it wins,
-            # then the end that failed first.
-            deaths = [e for _, e in errors
-                      if isinstance(e, WorkerDiedError) and not isinstance(e, GangStuckError)]
-            raise (deaths or [e for k, e in errors if k == first] or [errors[0][1]])[0]
-        return stats[0]
+                out.append(g.topology()["generation"])
+            except Exception:  # gone: the sync will say so
+                out.append(None)
+        return tuple(out)
 
-    def _settle(self, ends: list, wait_s: float) -> int | None:
-        """Wait for both sides of a sync; return the index of the end that failed first.
+    def _check(self) -> None:
+        """Whether the channel must be set up again, found without waiting on any gang call:
+        the last sync finished with an error, or a gang was rebuilt since the set-up."""
+        last = self._last
+        if last is not None and last.done():
+            try:
+                last.get()  # finished: reading it (and its error) never waits
+            except Exception:  # kept in the handle for its owner; it marked the channel broken
+                pass
+        if self._ok and self._gang_generations() != self._generations:
+            self._ok = False
+
+    def sync(self, *, names: Sequence[str] | None = None, only_changed: bool = False,
+             wait: bool = True) -> SyncStats | SyncHandle:
+        """Send the source's tensors (all, ``names``, or the changed ones) to every receiver.
+
+        ``wait=False``: returns a :class:`SyncHandle` at once; the sync runs in both gangs' call
+        order (after their calls made so far, before later ones). ``twinkle_ray.get(handle)``
+        gives the SyncStats or raises the sync's error.
+        """
+        if not self._remote:
+            stats = _local_sync(self.source, self.targets, names)
+            return stats if wait else SyncHandle.finished(stats)
+        self._check()
+        if wait and self._ok and not self._ready():  # a channel closed inside a worker
+            self._ok = False
+        ends = [] if self._ok else self._open()
+        names = list(names) if names is not None else None
+        ends.append((self.source, self.source.weight_sync_send(self.channel, names, only_changed,
+                                                               self.bucket_mb)))
+        result = len(ends) - 1
+        ends += [(g, g.weight_sync_recv(self.channel)) for g in self.targets]
+        self._ok = True  # later syncs reuse it; a failure seen marks it broken again
+        handle = self._last = SyncHandle(self, ends, result, self.timeout_s + 30 if wait else None)
+        return handle.get() if wait else handle
+
+    def _settle(self, ends: list, wait_s: float | None, abort_late: bool = True) -> list[int]:
+        """Wait for every end of a sync; return the indices of the ends that failed, first first.
 
         Once one end has failed (a death, an exception on any rank, a timeout),
-        the others cannot complete the broadcast: ranks still inside it
-        ``SYNC_GRACE_S`` later are presumed stuck, and their gangs are torn down
-        (``GangStuckError``; rebuilt when ``max_restarts`` allows), so no rank
-        stays blocked in the sync group.
+        the others cannot complete: ranks still inside it ``SYNC_GRACE_S`` later
+        are presumed stuck, and their gangs are torn down (``GangStuckError``;
+        rebuilt when ``max_restarts`` allows), so no rank stays blocked in the
+        sync group. The ends tell each other of a failure themselves (a failed
+        end closes its channel, a refused set-up opens the gate with an error),
+        so this is the last resort. Past ``wait_s`` (None: no limit), ends still
+        running are torn down too (``abort_late``) or CallTimeoutError is raised.
         """
         import ray
 
         owner: dict = {}
-        first: int | None = None
+        failed: list[int] = []
         for k, (_, lazy) in enumerate(ends):
             try:
                 owner.update({ref: k for ref in lazy.refs})
             except Exception:  # the gang could not take the call (dead, stopped)
-                first = k if first is None else first
+                failed.append(k)
         start = time.monotonic()
-        failed_at = start if first is not None else None
+        failed_at = start if failed else None
         pending = list(owner)
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1, fetch_local=False)
-            if failed_at is None:
-                for ref in ready:
-                    try:
-                        ray.get(ref)  # small: sync stats, or the error
-                    except Exception:
-                        first, failed_at = owner[ref], time.monotonic()
-                        break
+            for ref in ready:
+                try:
+                    ray.get(ref)  # small: sync stats, or the error
+                except Exception:
+                    if owner[ref] not in failed:
+                        failed.append(owner[ref])
+                    failed_at = failed_at or time.monotonic()
             now = time.monotonic()
             if failed_at is not None and now - failed_at >= SYNC_GRACE_S:
                 break
-            if now - start >= wait_s:
-                first = owner[pending[0]] if first is None else first
+            if wait_s is not None and now - start >= wait_s:
+                if not abort_late:
+                    late = sorted({owner[r] for r in pending})
+                    raise CallTimeoutError(f"weight sync {self.channel}: not finished within {wait_s:g}s "
+                                           f"(still running on {[repr(ends[k][0]) for k in late]})",
+                                           [])
+                if owner[pending[0]] not in failed:
+                    failed.append(owner[pending[0]])
                 break
         stuck: dict[int, list[int]] = {}
         for ref in pending:
             k = owner[ref]
             stuck.setdefault(k, []).extend(
                 r for r, x in zip(ends[k][1].ranks, ends[k][1].refs, strict=True) if x == ref)
-        for k, ranks in stuck.items():
-            gang, _ = ends[k]
-            culprit = ends[first][0] if first is not None else gang
+        for gang in {id(ends[k][0]): ends[k][0] for k in stuck}.values():
+            ranks = sorted({r for k, rs in stuck.items() if ends[k][0] is gang for r in rs})
+            culprit = ends[failed[0]][0] if failed else gang
             logger.warning("weight sync %s: %r failed; tearing down %r, ranks %s still in the sync",
                            self.channel, culprit, gang, ranks)
             gang._abort(f"weight sync {self.channel} failed on {culprit!r}; ranks {ranks} were "
                         f"still inside it {SYNC_GRACE_S:g}s later", ranks)
-        return first
+        return failed
 
     def close(self) -> None:
         """Leave the channel on every worker (best effort)."""
@@ -506,6 +580,123 @@ class WeightSync:
             except Exception:  # a dead gang has nothing to close
                 logger.debug("weight sync close failed", exc_info=True)
         self._ok = False
+
+
+class SyncHandle(Pending):
+    """A weight sync under way (``sync_weights(..., wait=False)``).
+
+    ``twinkle_ray.get(handle)`` (or ``handle.get()``) waits for both sides and
+    gives the source's :class:`SyncStats`, or raises the sync's error: a
+    worker's death first (``WorkerDiedError``), else the error of the end that
+    failed first (an end that only echoes another's failure never wins).
+    ``done()`` never waits.
+
+    >>> # h = sync_weights(trainer, sampler, wait=False)   # returns at once
+    >>> # rollouts = sampler.generate(prompts)             # runs after the sync, on the new weights
+    >>> # stats = twinkle_ray.get(h)
+    """
+
+    __slots__ = ("_ws", "_ends", "_result", "_bound", "_value", "_error", "_settled")
+
+    def __init__(self, ws: WeightSync | None, ends: list, result: int | None, bound: float | None):
+        self._ws, self._ends, self._result, self._bound = ws, ends, result, bound
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._settled = False
+
+    @classmethod
+    def finished(cls, value: Any) -> SyncHandle:
+        """A handle of a sync that has already run (in-process objects)."""
+        h = cls(None, [], None, None)
+        h._value, h._settled = value, True
+        return h
+
+    def done(self) -> bool:
+        """Whether every end of the sync has finished (never waits)."""
+        return self._settled or all(lazy.done() for _, lazy in self._ends)
+
+    def get(self, timeout: float | None = None) -> SyncStats | None:
+        """The source's SyncStats once both sides are done; raises the sync's error.
+
+        ``timeout``: raise CallTimeoutError if it has not finished by then (the sync goes on).
+        """
+        if not self._settled:
+            self._settle(timeout)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def _settle(self, timeout: float | None) -> None:
+        from .runtime.session import get
+
+        ws = self._ws
+        bound = self._bound if timeout is None else timeout
+        order = ws._settle(self._ends, bound, abort_late=timeout is None)
+        errors: dict[int, BaseException] = {}
+        values: dict[int, Any] = {}
+        for k, (_, lazy) in enumerate(self._ends):  # every end has finished or been torn down by now
+            try:
+                values[k] = get(lazy, SETTLE_READ_S)
+            except Exception as e:
+                errors[k] = e
+        self._settled = True
+        if errors:
+            ws._ok = False  # set up again on the next sync
+            first_stage = self._result if self._result is not None else len(self._ends)
+            self._error = _first_cause({k: _root_error(e, self._ends[k][1]) for k, e in errors.items()},
+                                       order, first_stage)
+            return
+        for v in values.values():
+            if isinstance(v, dict) and "world_size" in v:  # a set-up ran: the channel is new
+                ws.world_size, ws.backend_used = v["world_size"], v["backend"]
+                logger.info("weight sync %s: %s group of %d (source + %d receiver(s)) at %s:%d",
+                            ws.channel, v["backend"], v["world_size"], v["world_size"] - 1, v["addr"], v["port"])
+        self._value = None if self._result is None else values[self._result][0]
+        self._ends = []  # the refs are read: let Ray free them
+
+
+def _is_echo(e: BaseException) -> bool:
+    """An end's error that only repeats another end's failure."""
+    return isinstance(e, SourceFailed | SetupRefused)
+
+
+def _root_error(error: BaseException, lazy: Any) -> BaseException:
+    """The error of one end (a call on every rank of a gang): ``error`` (its first rank's), or,
+    when that one only echoes another end's failure, another rank's own error (noted where)."""
+    import ray
+
+    if not _is_echo(error):
+        return error
+    try:
+        pairs = list(zip(lazy.ranks, lazy.refs, strict=True))
+    except Exception:
+        return error
+    for rank, ref in pairs:
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if cause is not None and not _is_echo(cause):
+                cause.add_note(f"raised in {lazy.gang.cls_name}.{lazy.method}() on rank {rank} of group "
+                               f"'{lazy.gang.group}'")
+                return cause
+        except Exception:  # not finished, or not an exception of the call: keep the first
+            continue
+    return error
+
+
+def _first_cause(errors: dict[int, BaseException], order: list[int], first_stage: int) -> BaseException:
+    """The error a failed sync raises: a death (it explains its peers' errors); else, from the
+    set-up calls if one failed (ends before ``first_stage``: later ones failed because of it),
+    the end that failed first, passing over ends that only echo another end's failure."""
+    deaths = [e for e in errors.values() if isinstance(e, WorkerDiedError) and not isinstance(e, GangStuckError)]
+    if deaths:
+        return deaths[0]
+    ranked = [k for k in order if k in errors] + [k for k in errors if k not in order]
+    early = [k for k in ranked if k < first_stage]
+    ranked = early or ranked
+    causes = [k for k in ranked if not _is_echo(errors[k])]
+    return errors[(causes or ranked)[0]]
 
 
 def _is_gang(obj: Any) -> bool:
@@ -543,14 +734,24 @@ def sync_weights(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     bucket_mb: float = DEFAULT_BUCKET_MB,
     backend: str | None = None,
-) -> SyncStats:
+    wait: bool = True,
+) -> SyncStats | SyncHandle:
     """Send the trainer's weights (its rank 0) to every sampler worker; returns the sender's stats.
 
     The channel for a (trainer, sampler) pair is set up on the first call and
     reused. Both gangs are called concurrently: the trainer's rank 0 sends,
     sampler workers receive, other trainer ranks do nothing.
 
+    ``wait=False`` returns a :class:`SyncHandle` at once: the sync takes its
+    place in both gangs' call order (after the calls already made on each,
+    before later ones), so a script can generate the next batch with the
+    current weights while the trainer trains, then sync; ``twinkle_ray.get(handle)``
+    gives the stats or raises the sync's error. ``timeout_s`` bounds the
+    transfer once both sides are in the sync, not the wait for the other gang
+    to finish its earlier calls (see :class:`WeightSync`).
+
     >>> # stats = sync_weights(trainer, sampler, only_changed=True)
+    >>> # handle = sync_weights(trainer, sampler, wait=False); ...; stats = twinkle_ray.get(handle)
     """
     samplers = list(sampler) if isinstance(sampler, list | tuple) else [sampler]
     for stale in [k for k, ws in _channels.items() if getattr(ws.source, "_closed", None)]:
@@ -560,4 +761,4 @@ def sync_weights(
     if ws is None or (ws.timeout_s, ws.bucket_mb, ws.backend) != (timeout_s, bucket_mb, backend):
         ws = _channels[key] = WeightSync(trainer, sampler, timeout_s=timeout_s, bucket_mb=bucket_mb,
                                          backend=backend)
-    return ws.sync(names=names, only_changed=only_changed)
+    return ws.sync(names=names, only_changed=only_changed, wait=wait)

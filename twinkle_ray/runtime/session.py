@@ -436,16 +436,17 @@ def _teardown(rt: Runtime) -> None:
 
 
 def get(value: Any, timeout: float | None = None) -> Any:
-    """Materialise a LazyResult (or a list/tuple of them); identity on plain values.
+    """Materialise a LazyResult or another pending value (a weight sync's handle), or a
+    list/tuple of them; identity on plain values.
 
     >>> get(3)
     3
     """
-    from .lazy import LazyResult
+    from .lazy import Pending
 
-    if isinstance(value, LazyResult):
+    if isinstance(value, Pending):
         return value.get(timeout)
-    if isinstance(value, list | tuple) and any(isinstance(v, LazyResult) for v in value):
+    if isinstance(value, list | tuple) and any(isinstance(v, Pending) for v in value):
         return type(value)(get(v, timeout) for v in value)
     return value
 
