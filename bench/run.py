@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7")
+ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "W1")
 RAY_CPUS = 48  # virtual CPUs: room for a 16-worker gang and its raw twin side by side
 
 
@@ -29,7 +29,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     p.add_argument("--json", action="store_true", help="print JSON on stdout, the table on stderr")
-    p.add_argument("--only", default=",".join(ALL), help="comma list of B1..B7 (B1-B3 run together)")
+    p.add_argument("--only", default=",".join(ALL), help="comma list of B1..B7, W1 (B1-B3 run together)")
     p.add_argument("--repeats", type=int, default=None, help="override the repeat count of B1/B6")
     return p.parse_args(argv)
 
@@ -81,6 +81,8 @@ def run(argv: list[str] | None = None) -> dict:
             results += cases.bench_first(cfg)
     finally:
         ray.shutdown()
+    if "W1" in only:  # its own 2-raylet cluster: in a process of its own
+        results.append(_w1(args.quick))
     return {
         "mode": "quick" if args.quick else "full",
         "command": "python -m bench" + " ".join(["", *(argv if argv is not None else sys.argv[1:])]),
@@ -94,6 +96,17 @@ def run(argv: list[str] | None = None) -> dict:
         "wall_s": time.perf_counter() - t0,
         "results": results,
     }
+
+
+def _w1(quick: bool) -> dict:
+    """W1 (:mod:`bench.weight_sync`) in a subprocess: it builds a ``Cluster`` of two raylets."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "bench.weight_sync", "--json", *(["--quick"] if quick else [])]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"W1 failed (exit {out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _fmt_time(seconds: float, unit: str) -> str:
@@ -140,6 +153,10 @@ def table(report: dict) -> str:
         vs_floor = f"{row['floor_ratio']:7.2f}x" if "floor_ratio" in row else f"{'':8}"
         lines.append(f"{row['name']:<58} {_fmt_time(row['twinkle_s'], unit):>12} "
                      f"{_fmt_time(row['raw_s'], unit):>12} {row['ratio']:6.2f}x {vs_floor}  {_check(row)}")
+        if "bytes_ratio" in row:
+            lines.append(f"   busiest trainer process wrote {row['busiest_stage_mb']:.0f} MB per-stage vs "
+                         f"{row['busiest_rank0_mb']:.0f} MB rank-0 path ({row['bytes_ratio']:.2f}x; "
+                         f"model {row['model_mb']:.0f} MB; twinkle_ray = per-stage, raw = rank-0 path)")
         if "throughput_ratio" in row:
             lines.append(f"{'   throughput, calls/s':<58} {row['twinkle_calls_per_s']:12.0f} "
                          f"{row['raw_calls_per_s']:12.0f} {row['throughput_ratio']:6.2f}x")
