@@ -8,6 +8,14 @@ or ``ProcessGroupNCCL`` (GPU) on it). It is set up once (on the first sync)
 and reused. Rank 0 of that group is the source; the receivers follow, each
 at the rank the driver gave it once, at set-up.
 
+Several sources (*lanes*): a pipeline-parallel trainer makes each stage a
+source of its own layers (:meth:`WeightSyncMixin.weight_sync_lane`: the first
+TP rank of each stage). Each lane is a group of its own over the same store
+(the lane's source at rank 0, the receivers at their ranks), the lanes send in
+parallel, and no stage's layers pass through rank 0. A receiver takes one
+sync from every lane at once. ``SyncStats.sent_bytes`` reports the bytes each
+process of the source gang wrote during the sync.
+
 One sync: the source broadcasts a small JSON manifest (names, dtypes, shapes,
 bucket layout), then the tensors packed into flat buckets of one dtype
 (``bucket_mb``, 32 MB by default; a larger tensor gets a bucket of its own).
