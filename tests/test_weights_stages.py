@@ -194,3 +194,97 @@ def test_per_stage_sources_halve_the_busiest_process_against_the_rank0_path(stag
           f"per-stage {busiest[False] / 1e6:.1f} MB ({busiest[False] / busiest[True]:.2f}x)")
     assert busiest[True] >= 2 * model  # rank 0 sends the whole model to each of 2 receivers
     assert busiest[False] <= 0.55 * busiest[True]
+
+
+# ------------------------------------------------------------------------------ in-process: lanes, lazy sources
+def _lanes(n_receivers: int = 2, timeout_s: float = 20.0):
+    """Two lanes over one store: lane 0's source hosts it, lane 1's connects; receivers join both."""
+    import threading
+
+    from twinkle_ray.weight_channel import WeightChannel, join_lanes, lane_prefix
+
+    world = 1 + n_receivers
+    host = WeightChannel.host(world, timeout_s, host_ip="127.0.0.1", lanes=2)
+    addr, port = host.address
+    other = WeightChannel.connect(addr, port, 0, world, timeout_s)
+    ends: list = [None] * n_receivers
+
+    def recv_join(i):
+        ends[i] = join_lanes(WeightChannel.connect(addr, port, i + 1, world, timeout_s), "c", "gloo")
+
+    threads = [threading.Thread(target=recv_join, args=(i,)) for i in range(n_receivers)]
+    threads.append(threading.Thread(target=other.join, args=("gloo", lane_prefix("c", 1))))
+    for t in threads:
+        t.start()
+    host.join("gloo", prefix=lane_prefix("c", 0))
+    for t in threads:
+        t.join()
+    return host, other, ends
+
+
+def _concurrently(*fns):
+    import threading
+
+    out: list = [None] * len(fns)
+
+    def run(i):
+        try:
+            out[i] = fns[i]()
+        except Exception as e:  # returned for the test to inspect
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_two_lanes_lazy_sources_one_receive_each():
+    from twinkle_ray.weight_channel import receive_lanes
+
+    full = full_state(seed=2)
+    names = [stage_names(k, 2) for k in range(2)]
+    pulled: list[str] = []
+
+    def lazy(k):
+        def produce():
+            for n in names[k]:
+                pulled.append(n)
+                yield n, full[n]
+        return TensorSource([(n, torch.float32, tuple(full[n].shape)) for n in names[k]], produce)
+
+    lane0, lane1, ends = _lanes()
+    got = [{}, {}]
+    stats = _concurrently(lambda: lane0.send(lazy(0), bucket_mb=1.5), lambda: lane1.send(lazy(1), bucket_mb=1.5),
+                          *[lambda i=i: receive_lanes(ends[i], lambda b, i=i: [got[i].update(x) for x in b])
+                            for i in range(2)])
+    assert not [s for s in stats if isinstance(s, Exception)], stats
+    assert [s.tensors for s in stats[:2]] == [len(names[0]), len(names[1])]
+    assert stats[0].buckets == 3  # runs of <= 1.5 MiB in order: embed + layer 0 | layer 1 | ...
+    for g, s in zip(got, stats[2:], strict=True):
+        assert s.lanes == 2 and s.tensors == len(full)
+        assert g.keys() == full.keys() and all(torch.equal(g[n], full[n]) for n in full)
+    assert sorted(pulled) == sorted(full)
+
+    # names= selects from a lazy source, which is still iterated to the end (its gathers are collectives)
+    pulled.clear()
+    got = [{}, {}]
+    stats = _concurrently(lambda: lane0.send(lazy(0), names=["layers.1.bias"]), lambda: lane1.send(lazy(1), names=[]),
+                          *[lambda i=i: receive_lanes(ends[i], lambda b, i=i: [got[i].update(x) for x in b])
+                            for i in range(2)])
+    assert not [s for s in stats if isinstance(s, Exception)], stats
+    assert all(list(g) == ["layers.1.bias"] for g in got) and sorted(pulled) == sorted(full)
+
+    # a source that fails before sending: its lane's receivers raise its message, the other lane arrives
+    got = [{}, {}]
+    stats = _concurrently(lambda: lane1.send([(n, full[n]) for n in names[1]]),
+                          lambda: lane0.fail("weight_sync_tensors() raised KeyError: 'x'"),
+                          *[lambda i=i: receive_lanes(ends[i], lambda b, i=i: [got[i].update(x) for x in b])
+                            for i in range(2)])
+    assert stats[0].tensors == len(names[1])
+    assert all(isinstance(s, RuntimeError) and "KeyError: 'x'" in str(s) for s in stats[2:]), stats
+    assert all(sorted(g) == sorted(names[1]) for g in got)
+    for ch in [lane0, lane1, *[c for e in ends for c in e]]:
+        ch.close()
