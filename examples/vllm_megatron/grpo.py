@@ -146,7 +146,7 @@ def timed_sync(trainer, sampler) -> dict:
     stats = sync_weights(trainer, sampler)
     return {"mb": stats.bytes / 1e6, "seconds": stats.seconds, "wall_s": time.perf_counter() - t0,
             "tensors": stats.tensors, "buckets": stats.buckets, "backend": stats.backend,
-            "receivers": stats.receivers}
+            "receivers": stats.receivers, "lanes": stats.lanes, "sent_bytes": stats.sent_bytes}
 
 
 def train(gangs: dict, probe: list[dict], steps: int, max_gap: float, log=print) -> dict:
@@ -287,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_ratio_err": max(m["ratio_err"] for m in out["history"]),
         "sync_mb": syncs[-1]["mb"], "sync_s": float(np.mean([s["seconds"] for s in syncs])),
         "sync_wall_s": float(np.mean([s["wall_s"] for s in syncs])), "sync_receivers": syncs[-1]["receivers"],
+        "sync_lanes": syncs[-1]["lanes"], "sync_sent_mb": {k: v / 1e6 for k, v in syncs[-1]["sent_bytes"].items()},
         "trainer_step_s": float(np.mean(train_s)),
         "vllm_tokens_per_s": [e["tokens_per_s"] for e in engines],
         "vllm_engine_start_s": [e["import_s"] + e["engine_s"] for e in engines],
