@@ -58,7 +58,6 @@ def run(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"unknown benchmark(s) {sorted(unknown)}; choose from {', '.join(ALL)}")
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    _start_ray()
     import ray
 
     from bench import cases
@@ -68,19 +67,21 @@ def run(argv: list[str] | None = None) -> dict:
         cfg.repeats = args.repeats
     t0 = time.perf_counter()
     results: list[dict] = []
-    try:
-        if only & {"B1", "B2", "B3"}:
-            results += cases.bench_gang4(cfg, frozenset(only))
-        if "B4" in only:
-            results.append(cases.bench_routing(cfg))
-        if "B5" in only:
-            results.append(cases.bench_startup(cfg))
-        if "B6" in only:
-            results += cases.bench_scaling(cfg)
-        if "B7" in only:
-            results += cases.bench_first(cfg)
-    finally:
-        ray.shutdown()
+    if only - {"W1"}:  # W1 builds a cluster of its own
+        _start_ray()
+        try:
+            if only & {"B1", "B2", "B3"}:
+                results += cases.bench_gang4(cfg, frozenset(only))
+            if "B4" in only:
+                results.append(cases.bench_routing(cfg))
+            if "B5" in only:
+                results.append(cases.bench_startup(cfg))
+            if "B6" in only:
+                results += cases.bench_scaling(cfg)
+            if "B7" in only:
+                results += cases.bench_first(cfg)
+        finally:
+            ray.shutdown()
     if "W1" in only:  # its own 2-raylet cluster: in a process of its own
         results.append(_w1(args.quick))
     return {

@@ -2,7 +2,7 @@
 
 A ``ray.cluster_utils.Cluster`` of two raylets on this machine (node A: the trainer gang, 2 workers =
 2 pipeline stages of plain torch tensors; node B: the 2 receivers, each holding the whole model, as a
-TP=1 vLLM engine does). The same model (about 400 MB fp32; ``--quick``: 40 MB) is synced both ways in
+TP=1 vLLM engine does). The same model (about 400 MB fp32; ``--quick``: 25 MB) is synced both ways in
 one run, through the same receivers:
 
 - rank-0 path: stage 1 sends its layers to rank 0, which broadcasts the whole model (one lane);
@@ -16,7 +16,7 @@ Target: busiest per-stage <= 0.55x busiest rank-0 path (DESIGN section 10: 1/pp 
 Usage::
 
     python -m bench.weight_sync            # ~400 MB, 3 timed syncs per path
-    python -m bench.weight_sync --quick    # ~40 MB, 2 timed syncs per path
+    python -m bench.weight_sync --quick    # ~25 MB, 2 timed syncs per path
     python -m bench.weight_sync --json
     python -m bench --only W1 [--quick]    # the same, as a row of the bench table
 """
@@ -127,7 +127,7 @@ def _path(funnel: bool, width: int, repeats: int, receivers) -> dict:
 def run(argv: list[str] | None = None) -> dict:
     """Build the cluster, sync both ways, tear it all down; return the W1 row."""
     p = argparse.ArgumentParser(prog="python -m bench.weight_sync", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="~40 MB instead of ~400 MB")
+    p.add_argument("--quick", action="store_true", help="~25 MB instead of ~400 MB")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     width, repeats = (1024, 2) if args.quick else (4096, 3)  # 6 layers of width^2 fp32
