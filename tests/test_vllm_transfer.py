@@ -88,7 +88,7 @@ def vllm_gangs(ray_session, tmp_path):
     cache = os.path.join("/tmp", "twinkle_vllm_cache")  # the example's default: start-up artefacts kept
     trainer = HFTrainer(path, mesh, remote_group="trainer")
     sampler = vllm_sampler.VLLMSampler(path, device_mesh=mesh, n=1, max_tokens=4, dtype="float32",
-                                       max_model_len=128, cache_dir=cache, remote_group="sampler")
+                                       cache_dir=cache, remote_group="sampler")
     yield trainer, sampler, tiny_llama
     twinkle_ray.shutdown()
     actors, pgs = leftovers()
