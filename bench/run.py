@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B9", "B10")
+ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B9", "B10", "W1")
 RAY_CPUS = 80  # virtual CPUs: room for a 32-worker gang and its raw twin side by side
 
 
@@ -30,7 +30,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     p.add_argument("--json", action="store_true", help="print JSON on stdout, the table on stderr")
-    p.add_argument("--only", default=",".join(ALL), help="comma list of B1..B7, B9 (B1-B3 run together)")
+    p.add_argument("--only", default=",".join(ALL), help="comma list of B1..B7, B9, B10, W1 (B1-B3 run together)")
     p.add_argument("--repeats", type=int, default=None, help="override the repeat count of B1/B6")
     return p.parse_args(argv)
 
@@ -56,7 +56,6 @@ def run(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"unknown benchmark(s) {sorted(unknown)}; choose from {', '.join(ALL)}")
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    _start_ray()
     import ray
 
     from bench import cases
@@ -66,25 +65,29 @@ def run(argv: list[str] | None = None) -> dict:
         cfg.repeats = args.repeats
     t0 = time.perf_counter()
     results: list[dict] = []
-    try:
-        if only & {"B1", "B2", "B3"}:
-            results += cases.bench_gang4(cfg, frozenset(only))
-        if "B4" in only:
-            results.append(cases.bench_routing(cfg))
-        if "B5" in only:
-            results.append(cases.bench_startup(cfg))
-        if "B6" in only:
-            results += cases.bench_scaling(cfg)
-        if "B7" in only:
-            results += cases.bench_first(cfg)
-        if "B9" in only:
-            from bench import overlap
+    if only - {"W1"}:  # W1 builds a cluster of its own
+        _start_ray()
+        try:
+            if only & {"B1", "B2", "B3"}:
+                results += cases.bench_gang4(cfg, frozenset(only))
+            if "B4" in only:
+                results.append(cases.bench_routing(cfg))
+            if "B5" in only:
+                results.append(cases.bench_startup(cfg))
+            if "B6" in only:
+                results += cases.bench_scaling(cfg)
+            if "B7" in only:
+                results += cases.bench_first(cfg)
+            if "B9" in only:
+                from bench import overlap
 
-            results += overlap.bench_overlap(steps=4 if args.quick else 8)
-        if "B10" in only:
-            results += cases.bench_driver_cpu(cfg)
-    finally:
-        ray.shutdown()
+                results += overlap.bench_overlap(steps=4 if args.quick else 8)
+            if "B10" in only:
+                results += cases.bench_driver_cpu(cfg)
+        finally:
+            ray.shutdown()
+    if "W1" in only:  # its own 2-raylet cluster: in a process of its own
+        results.append(_w1(args.quick))
     return {
         "mode": "quick" if args.quick else "full",
         "command": "python -m bench" + " ".join(["", *(argv if argv is not None else sys.argv[1:])]),
@@ -98,6 +101,17 @@ def run(argv: list[str] | None = None) -> dict:
         "wall_s": time.perf_counter() - t0,
         "results": results,
     }
+
+
+def _w1(quick: bool) -> dict:
+    """W1 (:mod:`bench.weight_sync`) in a subprocess: it builds a ``Cluster`` of two raylets."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "bench.weight_sync", "--json", *(["--quick"] if quick else [])]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"W1 failed (exit {out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _fmt_time(seconds: float, unit: str) -> str:
@@ -151,6 +165,10 @@ def table(report: dict) -> str:
                          f"alone {row['sync_s']:.3f} s"
                          + (f"; {row['speedup_vs_sequential']:.2f}x the sequential step rate"
                             if "speedup_vs_sequential" in row else ""))
+        if "bytes_ratio" in row:
+            lines.append(f"   busiest trainer process wrote {row['busiest_stage_mb']:.0f} MB per-stage vs "
+                         f"{row['busiest_rank0_mb']:.0f} MB rank-0 path ({row['bytes_ratio']:.2f}x; "
+                         f"model {row['model_mb']:.0f} MB; twinkle_ray = per-stage, raw = rank-0 path)")
         if "throughput_ratio" in row:
             lines.append(f"{'   throughput, calls/s':<58} {row['twinkle_calls_per_s']:12.0f} "
                          f"{row['raw_calls_per_s']:12.0f} {row['throughput_ratio']:6.2f}x")

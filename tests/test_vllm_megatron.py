@@ -161,6 +161,7 @@ def test_pipeline_parallel_trainer_keeps_the_sampler_in_step(ray_session, capsys
     with capsys.disabled():
         print("\n--pp 2:", {k: v for k, v in result.items() if k not in ("rewards", "logprob_gaps")})
     assert result["trainer_layout"] == "pp=2" and len(result["logprob_gaps"]) == 3
+    assert result["sync_lanes"] == 2  # each stage sent its own layers into vLLM's weight-transfer engine
     assert result["max_logprob_gap"] <= 1e-4, result["logprob_gaps"]
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -33,7 +33,8 @@ from .runtime.net import is_loopback, loopback_listener
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ReceiverEnd", "SyncStats", "WeightChannel", "fingerprint", "load_into"]
+__all__ = ["ReceiverEnd", "SyncStats", "TensorSource", "WeightChannel", "bytes_written", "fingerprint",
+           "load_into", "receive_lanes"]
 
 DEFAULT_BUCKET_MB = 32
 DEFAULT_TIMEOUT_S = 300.0
@@ -57,6 +58,15 @@ class SyncStats:
     names: list[str] = field(default_factory=list)
     backend: str = ""
     receivers: int = 0
+    lanes: int = 1  # sources that sent in parallel (one per pipeline stage), each on its own group
+    # Bytes each process wrote while it took part (its ``/proc/self/io`` wchar delta: the wire bytes
+    # of the transfer, and of any gather the source ran to build its tensors), by process label.
+    sent_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def busiest_sent(self) -> int:
+        """Bytes written by the busiest process of the sync (0 when not measured)."""
+        return max(self.sent_bytes.values(), default=0)
 
     @property
     def gb_per_s(self) -> float:
@@ -66,7 +76,22 @@ class SyncStats:
     def __str__(self) -> str:
         return (f"{self.tensors} tensor(s), {self.bytes / 1e6:.1f} MB in {self.buckets} bucket(s), "
                 f"{self.seconds:.3f}s ({self.gb_per_s:.2f} GB/s to each of {self.receivers} receiver(s), "
-                f"{self.backend})")
+                f"{self.backend}" + (f", {self.lanes} lanes" if self.lanes > 1 else "")
+                + (f", busiest process wrote {self.busiest_sent / 1e6:.1f} MB" if self.sent_bytes else "")
+                + ")")
+
+
+def bytes_written() -> int:
+    """Bytes this process has written so far (``wchar`` of ``/proc/self/io``: files and sockets, every
+    thread; 0 where the kernel does not report it). Deltas around a sync measure what it sent."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 # ------------------------------------------------------------------------------ fingerprints
@@ -169,8 +194,16 @@ class WeightChannel:
         self.peer_wait = self.timeout
 
     @classmethod
-    def host(cls, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S, host_ip: str | None = None) -> WeightChannel:
-        """Rank 0's end: start the TCPStore on a free port of this node."""
+    def host(cls, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S, host_ip: str | None = None,
+             lanes: int = 1) -> WeightChannel:
+        """Rank 0's end: start the TCPStore on a free port of this node. ``lanes``: how many sources
+        send in parallel (each on a group of its own over this store; see :func:`join_lanes`)."""
+        ch = cls._host(world_size, timeout_s, host_ip)
+        ch.store.set("lanes", str(int(lanes)))
+        return ch
+
+    @classmethod
+    def _host(cls, world_size: int, timeout_s: float, host_ip: str | None) -> WeightChannel:
         import torch.distributed as dist
 
         ip = host_ip or _node_ip()
@@ -190,11 +223,12 @@ class WeightChannel:
     @classmethod
     def connect(cls, addr: str, port: int, rank: int, world_size: int,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> WeightChannel:
-        """A receiver's end: connect to rank 0's TCPStore."""
+        """A receiver's end (or another lane's source, at rank 0 of its own group): connect to the
+        host's TCPStore."""
         import torch.distributed as dist
 
-        if not 0 < rank < world_size:
-            raise ValueError(f"weight sync: receiver rank {rank} is outside 1..{world_size - 1}")
+        if not 0 <= rank < world_size:  # rank 0 too: a lane's source other than the host's
+            raise ValueError(f"weight sync: rank {rank} is outside 0..{world_size - 1}")
         store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
         return cls(store, rank, world_size, timeout_s, (addr, port))
 
@@ -269,76 +303,97 @@ class WeightChannel:
         self.arrive()
         self._send_manifest({"error": message})
 
+    def lanes(self) -> int:
+        """How many sources the host announced (waits for the key, within the timeout)."""
+        return int(self.store.get("lanes"))
+
+    def lane(self, k: int) -> WeightChannel:
+        """Another end for lane ``k`` on the same store, at this end's rank (not joined yet)."""
+        return WeightChannel(self.store, self.rank, self.world_size, self.timeout.total_seconds(), self.address)
+
     def _bcast(self, tensor: Any) -> Any:
         return self.pg.broadcast(tensor, 0, self.timeout)
 
     # -- source ---------------------------------------------------------------------------------
     def send(
         self,
-        named_tensors: Iterable[tuple[str, Any]],
+        named_tensors: Any,
         *,
         names: Sequence[str] | None = None,
         only_changed: bool = False,
         bucket_mb: float = DEFAULT_BUCKET_MB,
     ) -> SyncStats:
-        """Broadcast tensors (rank 0). ``names``: only these; ``only_changed``: only the changed ones."""
+        """Broadcast tensors (rank 0). ``names``: only these; ``only_changed``: only the changed ones.
+
+        ``named_tensors``: (name, tensor) pairs, or a lazy source (:class:`TensorSource`, or any object
+        with ``metadata()`` -- (name, dtype, shape) per tensor, or vLLM's ``ParamMeta`` -- whose iteration
+        yields the tensors in that order, each materialised as it is reached, e.g. by a TP all-gather).
+        A lazy source's manifest goes out from its metadata, and its next bucket is materialised while
+        the current one is on the wire. It is iterated to the end whatever ``names`` selects (its
+        materialisation may be a collective the other ranks run too). ``only_changed`` materialises
+        everything first (the fingerprints decide what is sent).
+        """
         t0 = time.perf_counter()
+        lazy = hasattr(named_tensors, "metadata") and not (only_changed or self.tracking)
+        bucket_bytes = int(bucket_mb * 2**20)
         try:
-            items, prints = self._select(list(named_tensors), names, only_changed)
+            if lazy:
+                specs = [_spec(m) for m in named_tensors.metadata()]
+                wanted = _check_names([s[0] for s in specs], names)
+                specs = [s for s in specs if wanted is None or s[0] in wanted]
+                prints: dict = {}
+                buckets = _runs(specs, bucket_bytes)
+            else:
+                items, prints = self._select(list(named_tensors), names, only_changed)
+                specs = [(n, str(t.dtype), tuple(t.shape)) for n, t in items]
+                buckets = _buckets(items, bucket_bytes)
         except Exception as e:
             self.fail(f"{type(e).__name__}: {e}")
             raise
         prepare_s = time.perf_counter() - t0
         try:
             self.arrive()
-            return self._send(items, prints, bucket_mb, prepare_s)
+            if lazy:
+                take, drain = _puller(iter(named_tensors), specs, wanted)
+            else:
+                take, drain = (lambda bucket: [items[i][1] for i in bucket]), (lambda: None)
+            return self._send(specs, buckets, take, drain, prints, prepare_s)
         except BaseException:
             self.close()  # broken mid-transfer: closing it ends the peers' waits at once
             raise
 
-    def _send(self, items: list, prints: dict, bucket_mb: float, prepare_s: float) -> SyncStats:
+    def _send(self, specs: list, buckets: list, take: Any, drain: Any, prints: dict,
+              prepare_s: float) -> SyncStats:
         import torch
 
         start = time.perf_counter()
-        buckets = _buckets(items, int(bucket_mb * 2**20))
-        manifest = {
-            "seq": self.syncs,
-            "tensors": [[n, str(t.dtype), list(t.shape)] for n, t in items],
-            "buckets": buckets,
-        }
-        self._send_manifest(manifest)
+        self._send_manifest({"seq": self.syncs, "tensors": [[n, d, list(sh)] for n, d, sh in specs],
+                             "buckets": buckets})
         pending: list = []
         total = 0
         with torch.no_grad():
             for bucket in buckets:
-                parts = [items[i][1].detach().reshape(-1) for i in bucket]
-                if len(parts) == 1 and parts[0].is_contiguous():
-                    flat = parts[0]
-                else:
-                    flat = torch.cat(parts)
+                parts = [t.detach().reshape(-1) for t in take(bucket)]
+                flat = parts[0] if len(parts) == 1 and parts[0].is_contiguous() else torch.cat(parts)
                 if flat.device != self.device:
                     flat = flat.to(self.device)
                 total += flat.numel() * flat.element_size()
-                work = self._bcast(flat)
-                pending.append((work, flat))
+                pending.append((self._bcast(flat), flat))
                 if len(pending) > 1:  # the previous bucket; this one is already in flight
                     pending.pop(0)[0].wait(self.timeout)
             for work, _ in pending:
                 work.wait(self.timeout)
+            drain()
         self.sent.update(prints)
         self.syncs += 1
-        return SyncStats(tensors=len(items), bytes=total, buckets=len(buckets),
+        return SyncStats(tensors=len(specs), bytes=total, buckets=len(buckets),
                          seconds=time.perf_counter() - start, prepare_s=prepare_s,
-                         names=[n for n, _ in items], backend=self.backend or "",
+                         names=[s[0] for s in specs], backend=self.backend or "",
                          receivers=self.world_size - 1)
 
     def _select(self, items, names, only_changed):
-        if names is not None:
-            have = {n for n, _ in items}
-            missing = [n for n in names if n not in have]
-            if missing:
-                raise KeyError(f"weight sync: unknown tensor name(s) {missing[:5]} (of {len(missing)})")
-            wanted = set(names)
+        wanted = _check_names([n for n, _ in items], names)
+        if wanted is not None:
             items = [(n, t) for n, t in items if n in wanted]
         # Fingerprints cost a pass over the weights: taken only once only_changed is in use.
         self.tracking = self.tracking or only_changed
@@ -357,7 +412,6 @@ class WeightChannel:
         self._bcast(head).wait(self.timeout)
         body = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         self._bcast(body).wait(self.timeout)
-
 
     # -- receivers ------------------------------------------------------------------------------
     def recv(self, load: Any) -> SyncStats:
@@ -388,39 +442,11 @@ class WeightChannel:
         Each bucket is a list of (name, tensor) views into a fresh buffer, yielded as it arrives
         (the next bucket's receive is already posted). Whatever ``consume`` does not take -- it
         returned early or raised -- is still received and dropped, so the source never hangs; its
-        exception is raised afterwards.
+        exception is raised afterwards. :func:`receive_lanes` takes one sync from several sources.
 
         >>> # ch.receive(lambda buckets: engine.reload_weights(i for b in buckets for i in b))
         """
-        try:
-            self.arrive()
-            start = time.perf_counter()  # the transfer: from the moment every end is here
-            manifest = self._recv_manifest()
-        except SourceFailed:
-            raise  # told by the source: the channel is still in step
-        except BaseException:
-            self.close()  # broken: closing it ends the other ends' waits at once
-            raise
-        specs = manifest["tensors"]
-        totals = {"bytes": 0}
-        buckets = self._bucket_stream(specs, manifest["buckets"], totals)
-        error: BaseException | None = None
-        try:
-            consume(buckets)
-        except BaseException as e:  # re-raised once the sync is drained
-            error = e
-        try:
-            for _ in buckets:  # drain what consume left (a no-op when it took everything)
-                pass
-        except BaseException as e:  # the transfer itself failed (timeout, peer gone)
-            error = error or e
-            self.close()
-        self.syncs += 1
-        if error is not None:
-            raise error
-        return SyncStats(tensors=len(specs), bytes=totals["bytes"], buckets=len(manifest["buckets"]),
-                         seconds=time.perf_counter() - start, names=[s[0] for s in specs],
-                         backend=self.backend or "", receivers=self.world_size - 1)
+        return receive_lanes([self], consume)
 
     def _recv_manifest(self) -> dict:
         import torch
@@ -434,34 +460,13 @@ class WeightChannel:
             raise SourceFailed(f"weight sync: the source failed: {manifest['error']}")
         return manifest
 
-    def _bucket_stream(self, specs: list, buckets: list[list[int]], totals: dict) -> Iterator[list]:
-        """The buckets of one sync as (name, tensor) lists; the next receive is posted before yielding."""
+    def _post(self, specs: list, bucket: list[int]) -> tuple[Any, Any]:
+        """Post the receive of one bucket: (work, flat buffer)."""
         import torch
 
-        def post(bucket):
-            dt = _dtype(specs[bucket[0]][1])
-            numel = sum(_numel(specs[i][2]) for i in bucket)
-            buf = torch.empty(numel, dtype=dt, device=self.device)
-            return self._bcast(buf), buf
-
-        nxt = post(buckets[0]) if buckets else None
-        for k, bucket in enumerate(buckets):
-            work, buf = nxt
-            try:
-                nxt = post(buckets[k + 1]) if k + 1 < len(buckets) else None
-                work.wait(self.timeout)
-            except BaseException:
-                nxt = work = None
-                self.close()  # broken: closing it ends the other ends' waits at once
-                raise
-            totals["bytes"] += buf.numel() * buf.element_size()
-            out, offset = [], 0
-            for i in bucket:
-                name, _, shape = specs[i]
-                n = _numel(shape)
-                out.append((name, buf[offset:offset + n].view(shape)))
-                offset += n
-            yield out
+        dt = _dtype(specs[bucket[0]][1])
+        buf = torch.empty(sum(_numel(specs[i][2]) for i in bucket), dtype=dt, device=self.device)
+        return self._bcast(buf), buf
 
     def close(self) -> None:
         """Leave the process group (best effort)."""
@@ -482,11 +487,197 @@ class SourceFailed(RuntimeError):
     """A receiver's error when the source told it that it failed (the channel stays in step)."""
 
 
+def lane_prefix(channel: str, lane: int) -> str:
+    """The store prefix of ``channel``'s group for ``lane`` (lane 0: the channel's own)."""
+    return f"twinkle-weights/{channel}" + (f"/lane{lane}" if lane else "")
+
+
+def join_lanes(first: WeightChannel, channel: str, backend: str) -> list[WeightChannel]:
+    """A receiver's groups for every lane the host announced (same rank in each), joined in lane order
+    (each a rendezvous with that lane's source and the other receivers)."""
+    ends = [first] + [first.lane(k) for k in range(1, first.lanes())]
+    return [ch.join(backend, prefix=lane_prefix(channel, k)) for k, ch in enumerate(ends)]
+
+
 def _numel(shape: Sequence[int]) -> int:
     n = 1
     for s in shape:
         n *= int(s)
     return n
+
+
+def _spec(meta: Any) -> tuple[str, str, tuple[int, ...]]:
+    """(name, dtype name, shape) from a (name, dtype, shape) tuple or an object with those attributes
+    (vLLM's ``ParamMeta``)."""
+    name, dtype, shape = (meta.name, meta.dtype, meta.shape) if hasattr(meta, "name") else meta
+    return str(name), str(dtype), tuple(int(x) for x in shape)
+
+
+def _check_names(have: list[str], names: Sequence[str] | None) -> set[str] | None:
+    """``names`` as a set (None: all), after checking every one exists."""
+    if names is None:
+        return None
+    known = set(have)
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise KeyError(f"weight sync: unknown tensor name(s) {missing[:5]} (of {len(missing)})")
+    return set(names)
+
+
+def _runs(specs: list, bucket_bytes: int) -> list[list[int]]:
+    """Consecutive indices of ``specs`` in buckets of one dtype and at most ``bucket_bytes`` (a lazy
+    source is materialised in order, so its buckets are runs)."""
+    buckets: list[list[int]] = []
+    size, dtype = 0, None
+    for i, (_, dt, shape) in enumerate(specs):
+        nbytes = _numel(shape) * _dtype(dt).itemsize
+        if not buckets or dt != dtype or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size, dtype = 0, dt
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+def _puller(it: Iterator, specs: list, wanted: set[str] | None) -> tuple[Callable, Callable]:
+    """(take(bucket) -> its tensors, drain()) over a lazy source's iterator, checked against ``specs``."""
+    pos = {"next": 0}
+
+    def take(bucket: list[int]) -> list:
+        out = []
+        for i in bucket:
+            name, dt, shape = specs[i]
+            got, t = next(((n, x) for n, x in it if wanted is None or n in wanted), (None, None))
+            if got is None:
+                raise ValueError(f"weight sync: the source ended before {name!r} (its metadata() "
+                                 f"declared {len(specs)} tensors)")
+            if got != name or str(t.dtype) != dt or tuple(t.shape) != tuple(shape):
+                raise ValueError(f"weight sync: the source's metadata() declared {name!r} {dt} {list(shape)} "
+                                 f"at position {pos['next']} but iteration gave {got!r} {t.dtype} "
+                                 f"{list(t.shape)}; both must list the same tensors in the same order")
+            pos["next"] += 1
+            out.append(t)
+        return out
+
+    def drain() -> None:
+        for _ in it:  # the rest (names not selected): every rank materialises them in step
+            pass
+
+    return take, drain
+
+
+class TensorSource:
+    """A lazy, re-iterable source of named tensors: what ``weight_sync_tensors()`` may return instead
+    of a dict, so the channel sends the manifest first and materialises bucket i+1 (e.g. a TP
+    all-gather) while bucket i is on the wire. The same contract as vLLM's ``WeightSource``
+    (``metadata()`` + iteration in that order), which the channel also takes as it is.
+
+    >>> import torch
+    >>> src = TensorSource([("w", torch.float32, (2,))], lambda: iter([("w", torch.ones(2))]))
+    >>> [m[0] for m in src.metadata()], [n for n, _ in src]
+    (['w'], ['w'])
+    """
+
+    def __init__(self, specs: Sequence[tuple[str, Any, Sequence[int]]],
+                 produce: Callable[[], Iterator[tuple[str, Any]]]):
+        self._specs = [(str(n), d, tuple(int(x) for x in s)) for n, d, s in specs]
+        self._produce = produce
+
+    def metadata(self) -> list[tuple[str, Any, tuple[int, ...]]]:
+        """(name, dtype, full shape) of every tensor, in iteration order, with nothing materialised."""
+        return list(self._specs)
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return iter(self._produce())
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+
+def receive_lanes(channels: Sequence[WeightChannel],
+                  consume: Callable[[Iterator[list[tuple[str, Any]]]], Any]) -> SyncStats:
+    """Receive one sync from several sources at once (one channel each, a *lane*: a pipeline stage's
+    source sends its own layers), handing ``consume`` one iterator over every lane's buckets, in the
+    order they arrive (round robin; each lane's next receive is posted before its bucket is yielded).
+
+    What ``consume`` leaves is drained from every lane, so no source hangs; a lane whose source
+    failed (its error manifest) does not stop the others; the first error is raised at the end.
+    """
+    try:
+        for ch in channels:
+            ch.arrive()  # bounded by peer_wait: the sources may still be busy with earlier calls
+    except BaseException:
+        for ch in channels:
+            ch.close()  # broken: closing them ends the other ends' waits at once
+        raise
+    start = time.perf_counter()  # the transfer: from the moment every end is here
+    error: BaseException | None = None
+    lanes, told = [], set()
+    for ch in channels:
+        try:
+            manifest = ch._recv_manifest()
+        except SourceFailed as e:  # told by its source: that lane is still in step
+            error = error or e
+            told.add(id(ch))
+            continue
+        except BaseException as e:  # the transfer itself
+            error = error or e
+            ch.close()
+            continue
+        lanes.append((ch, manifest["tensors"], [list(b) for b in manifest["buckets"] if b]))
+    totals = {"bytes": 0}
+    stream = _merged(lanes, totals)
+    try:
+        consume(stream)
+    except BaseException as e:  # re-raised once the sync is drained
+        error = error or e
+    try:
+        for _ in stream:  # drain what consume left (a no-op when it took everything)
+            pass
+    except BaseException as e:  # the transfer itself failed (timeout, peer gone)
+        error = error or e
+        for ch in channels:
+            ch.close()
+    for ch in channels:
+        if id(ch) not in told:  # a source that failed before sending counted no sync either
+            ch.syncs += 1
+    if error is not None:
+        raise error
+    specs = [s for _, lane_specs, _ in lanes for s in lane_specs]
+    return SyncStats(tensors=len(specs), bytes=totals["bytes"], buckets=sum(len(b) for _, _, b in lanes),
+                     seconds=time.perf_counter() - start, names=[s[0] for s in specs],
+                     backend=channels[0].backend or "" if channels else "",
+                     receivers=channels[0].world_size - 1 if channels else 0, lanes=len(channels))
+
+
+def _merged(lanes: list, totals: dict) -> Iterator[list[tuple[str, Any]]]:
+    """Every lane's buckets as (name, tensor) lists, round robin over the lanes still sending."""
+    live = []
+    for ch, specs, buckets in lanes:
+        if buckets:
+            live.append([ch, specs, buckets, ch._post(specs, buckets[0])])
+    while live:
+        still = []
+        for lane in live:
+            ch, specs, buckets, (work, buf) = lane
+            bucket = buckets.pop(0)
+            if buckets:
+                lane[3] = ch._post(specs, buckets[0])
+                still.append(lane)
+            try:
+                work.wait(ch.timeout)
+            except BaseException:
+                ch.close()  # broken: closing it ends the other ends' waits at once
+                raise
+            totals["bytes"] += buf.numel() * buf.element_size()
+            out, offset = [], 0
+            for i in bucket:
+                name, _, shape = specs[i]
+                n = _numel(shape)
+                out.append((name, buf[offset:offset + n].view(shape)))
+                offset += n
+            yield out
+        live = still
 
 
 def _is_dtensor(tensor: Any) -> bool:
@@ -572,7 +763,7 @@ class ReceiverEnd:
     def __init__(self, consume: Callable[[Iterator[list[tuple[str, Any]]]], Any], index: int = 0):
         self.consume = consume
         self.index = int(index)
-        self.channels: dict[str, WeightChannel] = {}
+        self.channels: dict[str, list[WeightChannel]] = {}  # channel -> one per lane
 
     def call(self, op: str, *args: Any) -> Any:
         """Run receiving-end operation ``op`` (what the fan-out hook forwards)."""
@@ -589,36 +780,38 @@ class ReceiverEnd:
     def join(self, channel: str, addr: str, port: int, ranks: Sequence[Sequence[int]], world_size: int,
              backend: str, timeout_s: float) -> int:
         """Join ``channel`` at the rank the driver gave this end: ``ranks`` is [[index, rank], ...]
-        for the receivers of this worker."""
+        for the receivers of this worker. One group per lane (per source), same rank in each."""
         mine = [r for i, r in ranks if int(i) == self.index]
         if len(mine) != 1:
             raise RuntimeError(f"weight sync channel {channel!r}: no rank for receiver index {self.index} "
                                f"in {list(ranks)} (was the engine resized since the set-up?)")
         self.close(channel)
-        ch = WeightChannel.connect(addr, port, int(mine[0]), world_size, timeout_s)
-        self.channels[channel] = ch.join(backend, prefix=f"twinkle-weights/{channel}")
-        ch.peer_wait = timedelta(seconds=PEER_WAIT_S)  # the source's gang may still be busy
-        return ch.rank
+        first = WeightChannel.connect(addr, port, int(mine[0]), world_size, timeout_s)
+        self.channels[channel] = join_lanes(first, channel, backend)
+        for ch in self.channels[channel]:
+            ch.peer_wait = timedelta(seconds=PEER_WAIT_S)  # the sources' gang may still be busy
+        return first.rank
 
     def ready(self, channel: str) -> bool:
-        """Whether this end holds a joined ``channel``."""
-        ch = self.channels.get(channel)
-        return ch is not None and ch.pg is not None
+        """Whether this end holds a joined ``channel`` (every lane)."""
+        lanes = self.channels.get(channel)
+        return bool(lanes) and all(ch.pg is not None for ch in lanes)
 
     def recv(self, channel: str) -> dict:
-        """Take one sync into ``consume``; returns its figures (a plain dict: it may cross processes)."""
-        ch = self.channels.get(channel)
-        if ch is None or ch.pg is None:
+        """Take one sync (every lane) into ``consume``; returns its figures (a plain dict: it may cross
+        processes)."""
+        if not self.ready(channel):
             raise RuntimeError(
                 f"weight sync channel {channel!r} is not set up in this receiver (was the gang "
                 f"restarted?); WeightSync sets it up again on the next sync"
             )
-        stats = ch.receive(self.consume)
+        w0 = bytes_written()
+        stats = receive_lanes(self.channels[channel], self.consume)
         return {"tensors": stats.tensors, "bytes": stats.bytes, "buckets": stats.buckets,
-                "seconds": stats.seconds, "backend": stats.backend, "receivers": stats.receivers}
+                "seconds": stats.seconds, "backend": stats.backend, "receivers": stats.receivers,
+                "lanes": stats.lanes, "sent_bytes": {f"receiver {self.index}": bytes_written() - w0}}
 
     def close(self, channel: str) -> None:
         """Leave ``channel`` (nothing when not joined)."""
-        ch = self.channels.pop(channel, None)
-        if ch is not None:
+        for ch in self.channels.pop(channel, None) or []:
             ch.close()

@@ -8,6 +8,14 @@ or ``ProcessGroupNCCL`` (GPU) on it). It is set up once (on the first sync)
 and reused. Rank 0 of that group is the source; the receivers follow, each
 at the rank the driver gave it once, at set-up.
 
+Several sources (*lanes*): a pipeline-parallel trainer makes each stage a
+source of its own layers (:meth:`WeightSyncMixin.weight_sync_lane`: the first
+TP rank of each stage). Each lane is a group of its own over the same store
+(the lane's source at rank 0, the receivers at their ranks), the lanes send in
+parallel, and no stage's layers pass through rank 0. A receiver takes one
+sync from every lane at once. ``SyncStats.sent_bytes`` reports the bytes each
+process of the source gang wrote during the sync.
+
 One sync: the source broadcasts a small JSON manifest (names, dtypes, shapes,
 bucket layout), then the tensors packed into flat buckets of one dtype
 (``bucket_mb``, 32 MB by default; a larger tensor gets a bucket of its own).
@@ -89,16 +97,20 @@ from .weight_channel import (
     SetupRefused,
     SourceFailed,
     SyncStats,
+    TensorSource,
     WeightChannel,
     _is_dtensor,
     _node_ip,
+    bytes_written,
     fingerprint,
+    lane_prefix,
     load_into,
 )
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ReceiverEnd", "SyncHandle", "SyncStats", "WeightChannel", "WeightSync", "WeightSyncMixin",
+__all__ = ["ReceiverEnd", "SyncHandle", "SyncStats", "TensorSource", "WeightChannel", "WeightSync",
+           "WeightSyncMixin",
            "fingerprint", "load_into", "sync_weights"]
 
 SYNC_GRACE_S = 3.0  # after one end of a sync failed, how long the others get to finish
@@ -146,6 +158,32 @@ def _module_targets(module: Any) -> dict[str, Any]:
     return dict(module.state_dict(keep_vars=True))
 
 
+def _pairs(tensors: Any) -> Any:
+    """What the channel sends from a ``weight_sync_tensors()`` answer: a lazy source as it is, a dict's items."""
+    return tensors if hasattr(tensors, "metadata") else tensors.items()
+
+
+def _merge_lanes(mine: SyncStats | None, wrote: int) -> SyncStats:
+    """One sync's figures over every lane, and the bytes each rank of the source gang wrote.
+
+    A collective on the gang's own torch.distributed world (every rank calls
+    ``weight_sync_send``); without one, this rank's figures alone.
+    """
+    import torch.distributed as dist
+
+    parts = [(get_rank(), mine, wrote)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (get_rank(), mine, wrote))
+    lanes = [p for _, p, _ in parts if p is not None]
+    return SyncStats(
+        tensors=sum(p.tensors for p in lanes), bytes=sum(p.bytes for p in lanes),
+        buckets=sum(p.buckets for p in lanes), seconds=max((p.seconds for p in lanes), default=0.0),
+        prepare_s=max((p.prepare_s for p in lanes), default=0.0), names=[n for p in lanes for n in p.names],
+        backend=lanes[0].backend if lanes else "", receivers=lanes[0].receivers if lanes else 0,
+        lanes=len(lanes), sent_bytes={f"rank {r}": w for r, _, w in parts})
+
+
 class WeightSyncMixin:
     """Weight-sync endpoints for a remote class (trainer or sampler).
 
@@ -180,9 +218,30 @@ class WeightSyncMixin:
     True
     """
 
-    # -- source hook ----------------------------------------------------------------------------
-    def weight_sync_tensors(self) -> dict[str, Any]:
+    # -- source hooks ---------------------------------------------------------------------------
+    def weight_sync_lane(self) -> tuple[int | None, int]:
+        """(this rank's lane or None, how many lanes): which ranks of the source gang send.
+
+        Default ``(0, 1)`` on the gang's rank 0 and ``(None, 1)`` elsewhere: one source. A
+        pipeline-parallel trainer makes every stage a source of its own layers -- the first TP
+        rank of each stage (data rank 0) sends on lane = its stage, all stages in parallel, each on
+        a group of its own with the receivers (no copy of stage k's layers to rank 0)::
+
+            def weight_sync_lane(self):
+                first = self.tp_rank == 0 and self.dp_rank == 0
+                return (self.pp_rank if first else None), self.pp
+
+        Rank 0 must be lane 0 (it hosts the channel). Every rank answers the same lane count.
+        """
+        return (0 if get_rank() == 0 else None), 1
+
+    def weight_sync_tensors(self) -> dict[str, Any] | TensorSource:
         """name -> tensor: what a source sends (called on every rank of the source gang).
+
+        With lanes (:meth:`weight_sync_lane`), each source returns its own lane's tensors. A
+        :class:`TensorSource` (metadata first, tensors materialised as they are reached) instead of
+        a dict lets the channel gather bucket i+1 while bucket i is on the wire; ranks that are not
+        a source iterate theirs too (the gather is a collective they take part in).
 
         ``self.model``'s state dict (DDP unwrapped). An FSDP2 (``fully_shard``)
         or DTensor-parallel model is gathered here: every rank calls
@@ -282,13 +341,17 @@ class WeightSyncMixin:
         Returns the set-up every end joins with: ``addr``, ``port``, ``world_size``, ``backend``,
         ``timeout_s`` and ``plan`` (per target gang: gang rank -> [[receiver index, channel rank]]).
         """
+        lane, lanes = self.weight_sync_lane()
+        if lane != 0:
+            raise RuntimeError(f"{type(self).__name__}.weight_sync_lane() gives gang rank {get_rank()} lane "
+                               f"{lane}; rank 0 hosts the weight sync channel and must send on lane 0")
         plan = WeightSync._rank_plan(list(targets))
         world_size = 1 + sum(len(pairs) for gang in plan for pairs in gang.values())
         backend = backend or ("nccl" if all(x["cuda"] for p in (source, *targets) for x in p) else "gloo")
         old = self._weight_channels().pop(channel, None)
         if old is not None:
             old.close()
-        ch = WeightChannel.host(world_size, timeout_s)
+        ch = WeightChannel.host(world_size, timeout_s, lanes=lanes)
         self._weight_channels()[channel] = ch
         addr, port = ch.address
         return {"addr": addr, "port": port, "world_size": world_size, "backend": backend,
@@ -302,17 +365,24 @@ class WeightSyncMixin:
         in its plan. Every end waits at the set-up gate until all have arrived; one that fails
         here tells the others at once (:meth:`WeightChannel.refuse`), so none waits for its timeout.
         """
-        prefix = f"twinkle-weights/{channel}"
-        if role == "source":
-            if get_rank() != 0:
-                return []
-            ch = self._weight_channels().get(channel)
-            if ch is None:
-                raise RuntimeError(f"weight sync channel {channel!r}: weight_sync_open was not called here")
-            ch.join(setup["backend"], prefix=prefix)
-            ch.peer_wait = timedelta(seconds=PEER_WAIT_S)  # the targets' gangs may still be busy
-            return [ch.rank]
         addr, port = setup["addr"], setup["port"]
+        if role == "source":  # every lane's source: lane 0 on the hosted store, the others connect to it
+            lane, _ = self.weight_sync_lane()
+            if lane is None:
+                return []
+            if lane == 0:
+                ch = self._weight_channels().get(channel)
+                if ch is None:
+                    raise RuntimeError(f"weight sync channel {channel!r}: weight_sync_open was not called here")
+            else:
+                old = self._weight_channels().pop(channel, None)
+                if old is not None:
+                    old.close()
+                ch = self._weight_channels()[channel] = WeightChannel.connect(
+                    addr, port, 0, setup["world_size"], setup["timeout_s"])
+            ch.join(setup["backend"], prefix=lane_prefix(channel, lane))
+            ch.peer_wait = timedelta(seconds=PEER_WAIT_S)  # the targets' gangs may still be busy
+            return [ch.rank] if lane == 0 else []  # channel rank 0 is the source role, once
         try:
             mine = setup["plan"][gang].get(get_rank())
             if not mine:
@@ -324,14 +394,14 @@ class WeightSyncMixin:
             raise  # another end failed first and said so
         except Exception as e:
             WeightChannel.refuse(addr, port, f"{type(self).__name__}.weight_sync_join on rank {get_rank()}: "
-                                             f"{type(e).__name__}: {e}", prefix=prefix)
+                                             f"{type(e).__name__}: {e}", prefix=lane_prefix(channel, 0))
             raise
 
     @remote_function(dispatch="all", collect="flatten")
     def weight_sync_ready(self, channel: str, role: str) -> list[bool]:
         """Whether this worker's ends hold a joined channel (source: rank 0 only answers)."""
         if role == "source":
-            if get_rank() != 0:
+            if self.weight_sync_lane()[0] is None:
                 return []
             ch = self._weight_channels().get(channel)
             return [ch is not None and ch.pg is not None]
@@ -340,26 +410,42 @@ class WeightSyncMixin:
     @remote_function(dispatch="all", collect="flatten")
     def weight_sync_send(self, channel: str, names: list[str] | None = None, only_changed: bool = False,
                          bucket_mb: float = DEFAULT_BUCKET_MB) -> list[SyncStats]:
-        """Source: every rank builds its tensors (may gather), rank 0 broadcasts them.
+        """Source: every rank builds its tensors (may gather); every lane's source sends its own, in
+        parallel. Gang rank 0 returns the sync's figures over all lanes, with the bytes each rank
+        of the gang wrote (``sent_bytes``); the other ranks return nothing.
 
-        If ``weight_sync_tensors()`` raises on rank 0, the receivers are told (they raise the
-        same message, and the channel stays in step); the error is raised here.
+        If ``weight_sync_tensors()`` raises, the receivers are told (they raise the same message,
+        and the channel stays in step); the error is raised here.
         """
-        ch = self._weight_channels().get(channel)
+        w0 = bytes_written()
+        lane, _ = self.weight_sync_lane()
+        ch = self._weight_channels().get(channel) if lane is not None else None
+        if lane is not None and (ch is None or ch.pg is None):
+            raise RuntimeError(
+                f"weight sync channel {channel!r} is not set up in {type(self).__name__} rank {get_rank()} "
+                f"(lane {lane}; was the gang restarted?); WeightSync sets it up again on the next sync"
+            )
         try:
             tensors = self.weight_sync_tensors()
-        except Exception as e:
-            if get_rank() == 0 and ch is not None and ch.pg is not None:
-                ch.fail(f"{type(self).__name__}.weight_sync_tensors() on rank 0: {type(e).__name__}: {e}")
+        except Exception as e:  # nothing sent yet: the receivers raise this too, the channel stays in step
+            if ch is not None:
+                ch.fail(f"{type(self).__name__} rank {get_rank()}: weight_sync_tensors() raised "
+                        f"{type(e).__name__}: {e}")
             raise
-        if get_rank() != 0:
-            return []
-        if ch is None or ch.pg is None:
-            raise RuntimeError(
-                f"weight sync channel {channel!r} is not set up in this worker (was the gang "
-                f"restarted?); WeightSync sets it up again on the next sync"
-            )
-        return [ch.send(tensors.items(), names=names, only_changed=only_changed, bucket_mb=bucket_mb)]
+        stats: SyncStats | None = None
+        error: BaseException | None = None
+        try:
+            if ch is not None:
+                stats = ch.send(_pairs(tensors), names=names, only_changed=only_changed, bucket_mb=bucket_mb)
+            elif isinstance(tensors, TensorSource) or hasattr(tensors, "metadata"):
+                for _ in tensors:  # in step with the sources' gathers
+                    pass
+        except Exception as e:  # reported after the figures are exchanged: the other ranks must not hang
+            error = e
+        merged = _merge_lanes(stats, bytes_written() - w0)
+        if error is not None:
+            raise error
+        return [merged] if get_rank() == 0 else []
 
     @remote_function(dispatch="all", collect="flatten")
     def weight_sync_recv(self, channel: str) -> list[SyncStats]:
@@ -710,7 +796,7 @@ def _local_sync(source: Any, targets: list, names: Sequence[str] | None) -> Sync
     import torch
 
     start = time.perf_counter()
-    items = list(source.weight_sync_tensors().items())
+    items = list(_pairs(source.weight_sync_tensors()))
     if names is not None:
         wanted = set(names)
         items = [(n, t) for n, t in items if n in wanted]

