@@ -490,7 +490,7 @@ class WeightSync:
             culprit = ends[first][0] if first is not None else gang
             logger.warning("weight sync %s: %r failed; tearing down %r, ranks %s still in the sync",
                            self.channel, culprit, gang, ranks)
-            gang._abort(f"weight sync {self.channel} failed on {culprit!r}; ranks {ranks} were "
+            gang.abort(f"weight sync {self.channel} failed on {culprit!r}; ranks {ranks} were "
                         f"still inside it {SYNC_GRACE_S:g}s later", ranks)
         return first
 

@@ -236,6 +236,32 @@ class GangProxy:
             m = self._methods[name] = RemoteMethod(self, name, spec)
         return m
 
+    # -- what names the gang (read-only) ------------------------------------------------------
+    @property
+    def label(self) -> str:
+        """The gang's name: its dispatcher's actor name, ``'group/Class'`` (or ``'group/Class-2'``)."""
+        return self._desc["label"]
+
+    @property
+    def group(self) -> str:
+        """The name of the DeviceGroup the gang runs on."""
+        return self._gang.group
+
+    @property
+    def n_workers(self) -> int:
+        """How many workers (ranks) the gang has."""
+        return self._gang.n_workers
+
+    @property
+    def backend(self) -> str | None:
+        """The gang's torch.distributed backend at its last (re)build, as its dispatcher said."""
+        return self._desc.get("backend")
+
+    @property
+    def closed(self) -> str | None:
+        """Why the gang was closed (``close(reason)``), or None while it is open."""
+        return self._closed
+
     # -- calls ---------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
@@ -396,9 +422,14 @@ class GangProxy:
             logger.debug("gang %s: no live dispatcher found by name", g.label, exc_info=True)
             return None
 
-    def _abort(self, reason: str, ranks: list[int] | None = None) -> None:
-        """Tear the gang down: ``ranks`` are stuck in a collective with another gang that failed
-        (weight sync). Calls then raise GangStuckError, or run on the rebuilt gang."""
+    def abort(self, reason: str, ranks: list[int] | None = None) -> None:
+        """Tear the gang down: ``ranks`` (None: all) are stuck in a collective with another gang
+        that failed (weight sync). Calls then raise GangStuckError, or run on the rebuilt gang.
+
+        Example::
+
+            trainer.abort("weight sync failed on the sampler", ranks=[0])
+        """
         try:
             ray.get(self._gang.dispatcher.abort.remote(reason, ranks), timeout=10)
         except Exception:  # the dispatcher is gone: nothing left to tear down

@@ -94,17 +94,27 @@ class Runtime:
     def register(self, proxy, group: str | None = None, bundles: list[int] | None = None) -> None:
         """Add a gang to the table; ``bundles``: those it took the devices of (see claim)."""
         self.gangs.append(proxy)
-        label = proxy._desc["label"]
+        label = proxy.label
         if group is not None:
             self.owned[label] = (group, list(bundles or []))
         proxy._on_close = lambda: self.forget(label)
 
     def forget(self, label: str) -> None:
         """Drop the gang ``label`` from the table and give its devices back to the group."""
-        self.gangs[:] = [p for p in self.gangs if p._desc["label"] != label]
+        self.gangs[:] = [p for p in self.gangs if p.label != label]
         group, bundles = self.owned.pop(label, (None, []))
         if group is not None:
             self.release(group, bundles)
+
+    def forget_adopted(self, group: str) -> None:
+        """Drop an adopted group (``adopt_placement_group``) from the tables once its gangs
+        are closed (each close ``forget``s its gang); the placement group stays its owner's
+        (e.g. a Serve replica's)."""
+        if group not in self.adopted:
+            return
+        for table in (self.groups, self.pgs, self.slots, self.claimed):
+            table.pop(group, None)
+        self.adopted.discard(group)
 
 
 _runtime: Runtime | None = None
@@ -478,7 +488,7 @@ def get_device_placement(groups: Sequence[str | DeviceGroup] | None = None) -> s
         for rank, s in enumerate(rt.slots.get(name, [])):
             dev = f"{g.resource_name} {list(s.devices)}" if g.resource_name else "cpu"
             lines.append(f"  rank {rank:<3} node {s.node_ip} ({s.node_id[:8]})  {dev:<12} bundle {s.bundle_index}")
-        gangs = [p for p in rt.gangs if p._gang.group == name and not p._closed]
+        gangs = [p for p in rt.gangs if p.group == name and not p.closed]
         for p in gangs:
-            lines.append(f"  gang {p._desc['label']}: {p._gang.n_workers} worker(s), backend {p._desc.get('backend')}")
+            lines.append(f"  gang {p.label}: {p.n_workers} worker(s), backend {p.backend}")
     return "\n".join(lines)
