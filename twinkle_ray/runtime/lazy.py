@@ -17,6 +17,7 @@ producers' object stores itself (``resolve_routed`` in the worker).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,10 +58,15 @@ class CallOutput:
     ended: bool = False  # __next__ reported exhaustion
 
 
-@dataclass
+@dataclass(frozen=True)
 class GangRef:
     """Enough about a gang to name it in errors, ask its dispatcher about deaths and find the
-    dispatcher again by name after its creator respawned it."""
+    dispatcher again by name after its creator respawned it.
+
+    An immutable value: it travels with every LazyResult and proxy copy. A proxy whose
+    dispatcher was replaced holds a new GangRef (``dataclasses.replace``); whether a call saw
+    the dispatcher die is the proxy's to know (``death_error``'s ``on_lost``).
+    """
 
     group: str
     cls_name: str
@@ -69,19 +75,20 @@ class GangRef:
     gpus_per_worker: int = 1
     n_workers: int = 1
     dispatcher_node: tuple[str, str] | None = None  # (node id, ip) of the dispatcher, if known
-    dispatcher_lost: bool = False  # a call saw the dispatcher dead (its creator may rebuild it)
     # the dispatcher's actor name and namespace: where a copy looks for a respawned dispatcher
     label: str | None = None
     namespace: str | None = None
 
-    def death_error(self, exc: BaseException, rank: int | None) -> WorkerDiedError:
+    def death_error(self, exc: BaseException, rank: int | None,
+                    on_lost: Callable[[GangRef], None] | None = None) -> WorkerDiedError:
         """The WorkerDiedError for a failed ref: the dispatcher's record of the first death.
 
         The dispatcher classifies by ``exc.actor_id`` (Ray's structured field) against its own
         table of workers; a death of another gang's worker (a producer whose output this gang's
         call took as an input, so Ray failed the call before it ran) is named as that worker's,
         not this gang's. An unreachable worker (ActorUnavailableError) is waited on until the
-        dispatcher tells an outage from a lost node. A dead dispatcher is named as such.
+        dispatcher tells an outage from a lost node. A dead dispatcher is named as such, and
+        ``on_lost(self)`` is told (the proxy that made the call may rebuild it).
         """
         wait = OUTAGE_WAIT_S if isinstance(exc, ActorUnavailableError) else 2.0
         actor_id = getattr(exc, "actor_id", None)
@@ -92,7 +99,8 @@ class GangRef:
             except RayActorError as gone:  # the dispatcher died, or cannot be reached now
                 # Only a death makes the creator's proxy respawn it (under the same name): an
                 # unreachable dispatcher (ActorUnavailableError) may still be alive.
-                self.dispatcher_lost = not isinstance(gone, ActorUnavailableError)
+                if on_lost is not None and not isinstance(gone, ActorUnavailableError):
+                    on_lost(self)
                 node_id, ip = self.dispatcher_node or (None, None)
                 return WorkerDiedError(self.group, self.cls_name, None, ip,
                                        death_cause(gone),
@@ -333,10 +341,11 @@ def resolve_routed(value: Any, lengths: tuple = ()) -> Any:
 
 
 def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: float | None,
-          stated: float | None = None) -> list:
+          stated: float | None = None, on_lost: Callable[[GangRef], None] | None = None) -> list:
     """The values of a call's output refs, with our error contract: timeouts name ranks,
     deaths raise WorkerDiedError, a user exception is re-raised as itself with the
-    group/rank/method noted (naming the rank that raised)."""
+    group/rank/method noted (naming the rank that raised). ``on_lost``: see
+    :meth:`GangRef.death_error`."""
     if timeout is not None:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
         if len(ready) < len(refs):
@@ -366,10 +375,10 @@ def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: f
         # An output whose owner (the dispatcher) or whose node died is lost with it: a death too.
         if isinstance(e, RayActorError | ObjectLostError) or isinstance(getattr(e, "cause", None),
                                                                          RayActorError):
-            raise gang.death_error(e, rank) from None
+            raise gang.death_error(e, rank, on_lost) from None
     if failures:
         rank, e = failures[0]
-        err = _user_error(e, gang, method, rank)
+        err = _user_error(e, gang, method, rank, on_lost)
         if pending and hasattr(err, "add_note"):
             late = [w for r, w in zip(refs, workers, strict=True) if r not in done]
             err.add_note(f"rank(s) {late} are still running; if they are blocked in a collective, "
@@ -392,12 +401,13 @@ def _read_quietly(refs: list) -> None:
             pass
 
 
-def _user_error(e: RayTaskError, gang: GangRef, method: str, rank: int | None) -> BaseException:
+def _user_error(e: RayTaskError, gang: GangRef, method: str, rank: int | None,
+                on_lost: Callable[[GangRef], None] | None = None) -> BaseException:
     cause = getattr(e, "cause", None)
     if isinstance(cause, WorkerDiedError | CallTimeoutError):
         return cause
     if isinstance(cause, RayActorError):
-        return gang.death_error(cause, rank)
+        return gang.death_error(cause, rank, on_lost)
     if cause is None:
         return e
     where = f"rank {rank} of " if rank is not None else ""
@@ -423,11 +433,14 @@ class LazyResult:
     """
 
     __slots__ = ("_plan_ref", "_out", "_value", "_has_value", "collect", "gang", "method", "timeout",
-                 "_turn", "_sent")
+                 "_turn", "_sent", "_on_lost")
 
     def __init__(self, plan_ref, *, collect, gang: GangRef, method: str, timeout: float | None = None,
-                 out: CallOutput | None = None, turn: tuple[str, int] | None = None):
+                 out: CallOutput | None = None, turn: tuple[str, int] | None = None,
+                 on_lost: Callable[[GangRef], None] | None = None):
         self._plan_ref = plan_ref
+        # told when this call finds its dispatcher dead (the proxy that made it); never pickled
+        self._on_lost = on_lost
         self._turn = turn  # (caller id, number) of the call: its dispatcher knows the plan by it
         # (name, value) of the arguments sent to the dispatcher by value, kept by the proxy: never
         # the payload (that went to the object store), see proxy._inline
@@ -462,9 +475,9 @@ class LazyResult:
                 if isinstance(e, RaySystemError) or isinstance(e.cause, RaySystemError):
                     # Ray failed the call before it ran: its arguments did not unpickle there
                     raise _unloadable(self, e) from None
-                raise _user_error(e, self.gang, self.method, None) from None
+                raise _user_error(e, self.gang, self.method, None, self._on_lost) from None
             except RayActorError as e:
-                raise self.gang.death_error(e, None) from None
+                raise self.gang.death_error(e, None, self._on_lost) from None
             except RaySystemError as e:
                 raise _unloadable(self, e) from None
         return self._out
@@ -488,7 +501,7 @@ class LazyResult:
             out = self.plan(t)
             left = None if t is None else max(0.0, t - (time.monotonic() - start))
             try:
-                values = fetch(out.refs, out.workers, self.gang, self.method, left, t)
+                values = fetch(out.refs, out.workers, self.gang, self.method, left, t, self._on_lost)
             except Exception:
                 _read_quietly(out.metas)  # their copy of the error is handled too: no log noise
                 raise

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -196,6 +197,9 @@ class GangProxy:
         self._lazy_default = lazy_default
         self._desc = desc
         self._closed: str | None = None
+        # A call saw the gang's dispatcher (the one in ``_gang``) die: the next call rebuilds it
+        # (the creator's proxy) or looks it up by name (a copy). Never pickled.
+        self._lost = False
         # Set by the runtime that made this gang (never pickled): called once by close().
         self._on_close: Callable[[], None] | None = None
         self._methods: dict[str, RemoteMethod] = {}
@@ -273,7 +277,7 @@ class GangProxy:
     def _call(self, name: str, spec: RemoteFunction, args: tuple, kwargs: dict,
               wait_meta: bool = False) -> Any:
         self._check_open()
-        if self._gang.dispatcher_lost:
+        if self._lost:
             self._rebuild_dispatcher()
         g = self._gang
         if spec.execute == "first" or spec.dispatch == "all" or self._execute == "first":
@@ -301,7 +305,7 @@ class GangProxy:
                 raise
             raise TypeError(f"{g.cls_name}.{name}() on group '{g.group}': {why}") from e
         result = LazyResult(plan, collect=spec.collect, gang=g, method=name, timeout=spec.timeout,
-                            turn=turn)
+                            turn=turn, on_lost=self._dispatcher_died)
         result._sent = _inline(per_worker)  # to name an argument the dispatcher could not unpickle
         lazy = self._lazy_default if spec.lazy_collect is None else spec.lazy_collect
         if spec.sync or not lazy:
@@ -328,7 +332,7 @@ class GangProxy:
     def restart(self, timeout: float | None = None) -> None:
         """Tear the gang down and rebuild it with a fresh torch.distributed world."""
         self._check_open()
-        if self._gang.dispatcher_lost:
+        if self._lost:
             self._rebuild_dispatcher()
             return
         self._desc = wait_with_progress(
@@ -358,7 +362,7 @@ class GangProxy:
             ref = g.dispatcher.save_state.remote(path, turn)
             self._next_turn += 1
             self._prev = [ref]
-        n = fetch([ref], [0], g, "save_state", timeout)[0]
+        n = fetch([ref], [0], g, "save_state", timeout, on_lost=self._dispatcher_died)[0]
         # States saved in memory are owned by the dispatcher and die with it; files do not.
         self._saved_files = None if path is None else [os.path.join(path, f"rank{r}.pt")
                                                        for r in range(n)]
@@ -371,7 +375,7 @@ class GangProxy:
         dispatcher's death is raised again."""
         g = self._gang
         with self._turn_lock:
-            if not g.dispatcher_lost:  # another thread rebuilt it
+            if not self._lost:  # another thread rebuilt it
                 return
             if self._respawn is None:
                 found = self._find_dispatcher()
@@ -400,11 +404,17 @@ class GangProxy:
                                self._desc["label"])
             self._use_dispatcher(*self._respawn(self._saved_files))
 
+    def _dispatcher_died(self, gang: GangRef) -> None:
+        """A call through ``gang`` found its dispatcher dead (a LazyResult's ``on_lost``); one of
+        a dispatcher this proxy has replaced already changes nothing."""
+        if gang is self._gang:
+            self._lost = True
+
     def _use_dispatcher(self, dispatcher: Any, desc: dict) -> None:
         """Call the gang through ``dispatcher`` (a new one: this proxy starts a fresh turn)."""
-        g = self._gang
-        g.dispatcher, g.dispatcher_node = dispatcher, desc.get("dispatcher_node")
-        g.dispatcher_lost = False
+        self._gang = dataclasses.replace(self._gang, dispatcher=dispatcher,
+                                         dispatcher_node=desc.get("dispatcher_node"))
+        self._lost = False
         self._desc = desc
         self._caller_id, self._next_turn, self._prev = uuid.uuid4().hex, 0, None
 
@@ -440,7 +450,7 @@ class GangProxy:
         automatic rebuild under way (then raise only if the gang stays down)."""
         self._check_open()
         fetch([self._gang.dispatcher.check_health.remote(wait)], [0], self._gang, "check_health",
-              timeout)
+              timeout, on_lost=self._dispatcher_died)
 
     def set_restart_policy(self, max_restarts: int, window_s: float | None = None) -> str:
         """Rebuild the gang automatically at most ``max_restarts`` times within ``window_s``
