@@ -34,6 +34,7 @@ from ..core.functions import DEFAULT_FUNCTION, RemoteFunction
 from ..core.platform import Platform
 from .errors import WorkerDiedError
 from .lazy import GangRef, LazyResult, fetch
+from .restarts import RestartPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -212,11 +213,11 @@ class GangProxy:
         # be unpickled there) never takes its turn, and its failed ref tells the next call so.
         self._prev: list | None = None
         self._turn_lock = threading.Lock()
-        # Set by create_gang on the creator's proxy when max_restarts > 0: rebuilds the gang
-        # after its dispatcher died (never pickled: only the creator can).
-        self._respawn = None
-        self._respawn_limit = 0
-        self._respawns = 0
+        # Set by create_gang on the creator's proxy when max_restarts > 0 (respawn_dispatcher):
+        # rebuilds the gang after its dispatcher died, within the gang's one restart policy (the
+        # one set_restart_policy replaces); never pickled: only the creator can.
+        self._respawn: Callable[..., tuple] | None = None
+        self._policy: RestartPolicy | None = None
         self._saved_files: list | None = None  # files of the last save_state(path=...)
 
     # -- lookup --------------------------------------------------------------------------------
@@ -389,20 +390,18 @@ class GangProxy:
                 logger.warning("gang %s: its dispatcher died; found its new one by name",
                                self._desc["label"])
                 return
-            budget = self._respawn_limit
-            if self._respawns >= budget:
+            policy = self._policy
+            if not policy.allow(time.monotonic()):
                 raise WorkerDiedError(g.group, g.cls_name, None, None,
-                                      "its dispatcher died and is not rebuilt "
-                                      f"({self._respawns} of max_restarts={budget} used)",
-                                      kind="dispatcher")
-            self._respawns += 1
-            logger.warning("gang %s: its dispatcher died; rebuilding it and the gang (%d of %d)",
-                           self._desc["label"], self._respawns, budget)
+                                      "its dispatcher died and is not rebuilt (its restart "
+                                      f"budget is spent: {policy.describe()})", kind="dispatcher")
+            logger.warning("gang %s: its dispatcher died; rebuilding it and the gang (%s)",
+                           self._desc["label"], policy.describe())
             if self._saved_files is None:
                 logger.warning("gang %s: no state saved to files; the rebuilt gang starts from "
                                "its constructor (in-memory saves die with the dispatcher)",
                                self._desc["label"])
-            self._use_dispatcher(*self._respawn(self._saved_files))
+            self._use_dispatcher(*self._respawn(self._saved_files, policy))
 
     def _dispatcher_died(self, gang: GangRef) -> None:
         """A call through ``gang`` found its dispatcher dead (a LazyResult's ``on_lost``); one of
@@ -454,9 +453,26 @@ class GangProxy:
 
     def set_restart_policy(self, max_restarts: int, window_s: float | None = None) -> str:
         """Rebuild the gang automatically at most ``max_restarts`` times within ``window_s``
-        seconds (None: ever), replacing the class's ``max_restarts``; returns the policy."""
+        seconds (None: ever), replacing the class's ``max_restarts``; returns the policy. The
+        one policy of the gang: its dispatcher's rebuilds of dead workers, and (on the creator's
+        proxy of a class with ``max_restarts``) the respawns of a dead dispatcher.
+
+        Example::
+
+            gang.set_restart_policy(3, window_s=600)   # 'max_restarts=3 within 600s'
+        """
         self._check_open()
-        return ray.get(self._gang.dispatcher.set_restart_policy.remote(max_restarts, window_s))
+        policy = RestartPolicy(max_restarts, window_s)  # a bad value raises here, changing nothing
+        described = ray.get(self._gang.dispatcher.set_restart_policy.remote(max_restarts, window_s))
+        if self._respawn is not None:
+            self._policy = policy
+        return described
+
+    def respawn_dispatcher(self, respawn: Callable[..., tuple], policy: RestartPolicy) -> None:
+        """Make this (the creator's) proxy rebuild the gang when its dispatcher dies:
+        ``respawn(saved_files, policy)`` returns (the new dispatcher, its describe()); at most
+        as often as ``policy`` (the gang's restart policy) allows."""
+        self._respawn, self._policy = respawn, policy
 
     def topology(self) -> dict:
         """The gang's ranks, nodes and devices (as its dispatcher reports them)."""
