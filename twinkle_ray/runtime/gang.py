@@ -22,8 +22,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..core import defaults
 from .dispatcher import RemoteDispatcher
-from .proxy import GangProxy, _unpicklable, put_large, wait_with_progress
+from .proxy import GangProxy, wait_with_progress
 from .restarts import RestartPolicy
+from .sending import put_large, unpicklable
 from .spec import GangSpec
 
 # How long a respawn waits for a dead dispatcher's name to be released by Ray.
@@ -55,7 +56,7 @@ def create_gang(
             f"{mesh.world_size} but the group has {group.num_devices or group.num_workers} "
             f"{'device' if group.num_devices else 'worker'}(s)"
         )
-    why = _unpicklable(args, kwargs)  # before anything is claimed or created (DESIGN 8)
+    why = unpicklable(args, kwargs)  # before anything is claimed or created (DESIGN 8)
     if why is not None:
         raise TypeError(f"{cls.__name__}(remote_group='{group.name}'): {why}")
     label = runtime.new_label(group.name, cls.__name__)

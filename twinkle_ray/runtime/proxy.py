@@ -26,7 +26,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import cloudpickle
 import ray
 
 from ..core.dispatch import dispatch as split_args
@@ -35,10 +34,10 @@ from ..core.platform import Platform
 from .errors import WorkerDiedError
 from .lazy import GangRef, LazyResult, fetch
 from .restarts import RestartPolicy
+from .sending import put_large, sent_by_value, strip_own_gang, unpicklable
 
 logger = logging.getLogger(__name__)
 
-PUT_THRESHOLD_BYTES = 64 * 1024
 # How long a proxy whose dispatcher died waits for the answer of one found under its name.
 LOOKUP_WAIT_S = 10.0
 # Progress lines on long waits: placement.progress_after_s() / PROGRESS_EVERY_S (one setting
@@ -67,97 +66,6 @@ def wait_with_progress(ref, what: str, timeout_s: float | None) -> Any:
         if elapsed >= next_note:
             logger.warning("%s: still waiting after %.0fs", what, elapsed)
             next_note += PROGRESS_EVERY_S
-
-
-def _nbytes(obj: Any, depth: int = 0) -> int:
-    """A cheap estimate of an object's pickled size (enough to decide on ray.put)."""
-    nb = getattr(obj, "nbytes", None)
-    if isinstance(nb, int):
-        return nb
-    if isinstance(obj, bytes | bytearray | str):
-        return len(obj)
-    if depth < 2 and isinstance(obj, list | tuple) and obj:
-        head = obj[:8]
-        return sum(_nbytes(x, depth + 1) for x in head) * len(obj) // len(head)
-    if depth < 2 and isinstance(obj, dict) and obj:
-        vals = list(obj.values())
-        head = vals[:16]
-        return sum(_nbytes(v, depth + 1) for v in head) * len(vals) // len(head)
-    return 64
-
-
-def _strip_own_gang(per_worker: list[tuple[tuple, dict]], gang: GangRef) -> list[tuple[tuple, dict]]:
-    """Send this gang's own LazyResults to its dispatcher without their GangRef (``gang=None``).
-
-    The dispatcher knows its own gang; the GangRef's actor handle and mesh would be pickled
-    here and unpickled there on every chained call. Other values pass unchanged.
-    """
-    light: dict[int, LazyResult] = {}
-
-    def conv(v: Any) -> Any:
-        if not isinstance(v, LazyResult) or v.gang is not gang:
-            return v
-        c = light.get(id(v))
-        if c is None:  # one copy per value, so the dispatcher routes it once
-            c = light[id(v)] = LazyResult(v._plan_ref, collect=v.collect, gang=None, method=v.method,
-                                          timeout=v.timeout, out=v._out, turn=v._turn)
-        return c
-
-    if not any(isinstance(v, LazyResult) for a, kw in per_worker for v in (*a, *kw.values())):
-        return per_worker
-    return [(tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()})
-            for args, kwargs in per_worker]
-
-
-def put_large(per_worker: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
-    """Replace large top-level argument values by ObjectRefs, one ``ray.put`` per object.
-
-    Keeps payload off the dispatcher: it only ever sees the refs, and each
-    worker pulls its piece straight from the object store.
-    """
-    cache: dict[int, Any] = {}
-
-    def conv(v: Any) -> Any:
-        if isinstance(v, LazyResult | ray.ObjectRef) or _nbytes(v) < PUT_THRESHOLD_BYTES:
-            return v
-        key = id(v)
-        if key not in cache:
-            cache[key] = ray.put(v)
-        return cache[key]
-
-    return [
-        (tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()})
-        for args, kwargs in per_worker
-    ]
-
-
-def _unpicklable(args: tuple, kwargs: dict) -> str | None:
-    for name, v in [*((f"argument {i}", a) for i, a in enumerate(args)),
-                    *((f"argument '{k}'", v) for k, v in kwargs.items())]:
-        try:
-            cloudpickle.dumps(v)
-        except Exception as e:
-            return f"{name} of type {type(v).__name__} cannot be pickled: {e}"
-    return None
-
-
-def _inline(per_worker: list[tuple[tuple, dict]]) -> tuple[tuple[str, Any], ...]:
-    """The arguments sent to the dispatcher by value, named as ``_unpicklable`` names them.
-
-    Only these can fail to unpickle there: payload went to the object store (``put_large``)
-    and LazyResults are routed, so neither is kept (a LazyResult holds no caller's payload).
-    Each value kept is below ``PUT_THRESHOLD_BYTES`` by ``_nbytes``' estimate.
-    """
-    seen: set[int] = set()
-    kept = []
-    for args, kwargs in per_worker:
-        for name, v in [*((f"argument {i}", a) for i, a in enumerate(args)),
-                        *((f"argument '{k}'", v) for k, v in kwargs.items())]:
-            if isinstance(v, ray.ObjectRef | LazyResult) or id(v) in seen:
-                continue
-            seen.add(id(v))
-            kept.append((name, v))
-    return tuple(kept)
 
 
 def _caller() -> tuple[int, int] | None:
@@ -288,7 +196,7 @@ class GangProxy:
                 spec.dispatch, g.n_workers, args, kwargs, device_mesh=g.mesh,
                 gpus_per_worker=g.gpus_per_worker, method=name, group=g.group,
             )
-        per_worker = _strip_own_gang(put_large(per_worker), g)
+        per_worker = strip_own_gang(put_large(per_worker), g)
         execute = "first" if self._execute == "first" else spec.execute
         caller = _caller() if execute == "peer" else None
         try:
@@ -301,13 +209,13 @@ class GangProxy:
                 self._next_turn += 1  # only a submitted call takes a turn
                 self._prev = [settled]  # not the plan: that would pin its outputs
         except Exception as e:
-            why = _unpicklable(args, kwargs)
+            why = unpicklable(args, kwargs)
             if why is None:
                 raise
             raise TypeError(f"{g.cls_name}.{name}() on group '{g.group}': {why}") from e
         result = LazyResult(plan, collect=spec.collect, gang=g, method=name, timeout=spec.timeout,
                             turn=turn, on_lost=self._dispatcher_died)
-        result._sent = _inline(per_worker)  # to name an argument the dispatcher could not unpickle
+        result._sent = sent_by_value(per_worker)  # to name an argument the dispatcher could not unpickle
         lazy = self._lazy_default if spec.lazy_collect is None else spec.lazy_collect
         if spec.sync or not lazy:
             return result.get()
