@@ -63,7 +63,7 @@ class Dispatcher:
         self.deaths = DeathRecord()
         self.health = Health(self.state, self.deaths, on_failure=self._fail)
         self.builder = Builder(self.state, self.deaths, self.health)
-        self.rebuilds = Rebuilder(self.state, self.deaths, self.builder)
+        self.rebuilds = Rebuilder(self.builder)
         self.seq = 0  # calls submitted (all callers, all generations): the gang's one order
         self._gang_ref: GangRef | None = None  # this gang (with this actor's handle)
         self._router: Router | None = None

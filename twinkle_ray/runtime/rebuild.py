@@ -12,7 +12,7 @@ stop() ends a rebuild under way and kills what it built.
 
 Example::
 
-    rebuilds = Rebuilder(state, deaths, builder)
+    rebuilds = Rebuilder(builder)
     await rebuilds.fail(error)     # teardown, and an automatic rebuild if the policy allows
     await rebuilds.settled()       # no build under way
 """
@@ -26,9 +26,8 @@ import ray
 
 from .build import Builder
 from .errors import GangRebuildError, PlacementError, WorkerDiedError, cause_text
-from .health import DeathRecord, alive_node_ids
+from .health import alive_node_ids
 from .placement import check_named_nodes, remove
-from .ranks import GangState
 from .restarts import RestartMetrics, RestartPolicy
 
 logger = logging.getLogger(__name__)
@@ -39,11 +38,10 @@ PLACEMENT_POLL_S = 0.5
 class Rebuilder:
     """One gang's restart policy and rebuilds (plain Python, owned by its dispatcher)."""
 
-    def __init__(self, state: GangState, deaths: DeathRecord, builder: Builder):
-        self.state = state
-        self.deaths = deaths
+    def __init__(self, builder: Builder):
         self.builder = builder
-        spec = state.spec
+        self.state, self.deaths = builder.state, builder.deaths
+        spec = self.state.spec
         self.policy = RestartPolicy(spec.max_restarts, spec.restart_window_s)
         self.metrics = RestartMetrics.create(spec.label, spec.metrics)
         self.restarts = 0  # automatic rebuilds started
