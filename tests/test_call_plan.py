@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from twinkle_ray.runtime.lazy import Pieces, Window
 from twinkle_ray.runtime.message import WorkerCall
+from twinkle_ray.runtime.routed import Pieces, Window
 from twinkle_ray.runtime.routing import _with_aligned_slots, call_targets, needs_lengths
 
 

@@ -399,12 +399,7 @@ class ReplicaGang:
         rt = current()
         if rt is None:
             return
-        rt.gangs[:] = [p for p in rt.gangs if p is not self.proxy]
-        name = self.group.name
-        if name in rt.adopted:
-            for table in (rt.groups, rt.pgs, rt.slots, rt.claimed):
-                table.pop(name, None)
-            rt.adopted.discard(name)
+        rt.forget_adopted(self.group.name)
 
 
 # -- JSON over HTTP --------------------------------------------------------------------------------

@@ -650,7 +650,7 @@ class WeightSync:
             culprit = ends[failed[0]][0] if failed else gang
             logger.warning("weight sync %s: %r failed; tearing down %r, ranks %s still in the sync",
                            self.channel, culprit, gang, ranks)
-            gang._abort(f"weight sync {self.channel} failed on {culprit!r}; ranks {ranks} were "
+            gang.abort(f"weight sync {self.channel} failed on {culprit!r}; ranks {ranks} were "
                         f"still inside it {SYNC_GRACE_S:g}s later", ranks)
         return failed
 

@@ -223,3 +223,21 @@ def death_cause(exc: BaseException) -> str:
     for marker in (" Some common causes include", " If the process was killed"):
         cause = cause.split(marker)[0]
     return cause[:400]
+
+
+def cause_text(e: BaseException) -> str:
+    """One line saying why a start or rebuild failed: a task error's cause, an actor's death,
+    or the exception's first line.
+
+    >>> cause_text(ValueError("bad\\nmore"))
+    'ValueError: bad'
+    """
+    from ray.exceptions import RayActorError
+
+    cause = getattr(e, "cause", None)
+    if cause is not None:
+        return f"{type(cause).__name__}: {cause}"
+    if isinstance(e, RayActorError):
+        return death_cause(e)
+    text = str(e)
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -21,7 +22,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..core import defaults
 from .dispatcher import RemoteDispatcher
-from .proxy import GangProxy, _unpicklable, put_large, wait_with_progress
+from .proxy import GangProxy, wait_with_progress
+from .restarts import RestartPolicy
+from .sending import put_large, unpicklable
 from .spec import GangSpec
 
 # How long a respawn waits for a dead dispatcher's name to be released by Ray.
@@ -53,7 +56,7 @@ def create_gang(
             f"{mesh.world_size} but the group has {group.num_devices or group.num_workers} "
             f"{'device' if group.num_devices else 'worker'}(s)"
         )
-    why = _unpicklable(args, kwargs)  # before anything is claimed or created (DESIGN 8)
+    why = unpicklable(args, kwargs)  # before anything is claimed or created (DESIGN 8)
     if why is not None:
         raise TypeError(f"{cls.__name__}(remote_group='{group.name}'): {why}")
     label = runtime.new_label(group.name, cls.__name__)
@@ -86,8 +89,8 @@ def create_gang(
         )
         proxy = _start(spec, runtime.start_timeout_s)
         if max_restarts > 0:  # this proxy (the creator's) rebuilds a dead dispatcher and its gang
-            proxy._respawn = functools.partial(respawn, spec, runtime.start_timeout_s)
-            proxy._respawn_limit = max_restarts
+            proxy.respawn_dispatcher(functools.partial(respawn, spec, runtime.start_timeout_s),
+                                     RestartPolicy(max_restarts, spec.restart_window_s))
         runtime.register(proxy, group.name, taken)
     except BaseException:
         runtime.release(group.name, taken)
@@ -139,15 +142,19 @@ def new_dispatcher(spec: GangSpec):
     ).remote(spec)
 
 
-def respawn(spec: GangSpec, timeout_s: float | None, saved: list | None) -> tuple:
+def respawn(spec: GangSpec, timeout_s: float | None, saved: list | None,
+            policy: RestartPolicy) -> tuple:
     """Rebuild a gang whose dispatcher died: a new dispatcher under the same name, a fresh
-    gang, and each rank's ``saved`` state (files of ``save_state(path=...)``) restored.
+    gang, and each rank's ``saved`` state (files of ``save_state(path=...)``) restored. The
+    new dispatcher rebuilds dead workers under ``policy``'s limits (the gang's one policy).
     Returns (the new dispatcher, its describe()).
 
     The dead dispatcher's name is free only once Ray has recorded its death (after a node
     loss, when its health checks give the node up): until then, creating the new one is
     retried for up to RESPAWN_NAME_WAIT_S.
     """
+    spec = dataclasses.replace(spec, max_restarts=policy.max_restarts,
+                               restart_window_s=policy.window_s)
     deadline = time.monotonic() + RESPAWN_NAME_WAIT_S
     while True:
         try:

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -25,7 +26,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import cloudpickle
 import ray
 
 from ..core.dispatch import dispatch as split_args
@@ -33,10 +33,11 @@ from ..core.functions import DEFAULT_FUNCTION, RemoteFunction
 from ..core.platform import Platform
 from .errors import WorkerDiedError
 from .lazy import GangRef, LazyResult, fetch
+from .restarts import RestartPolicy
+from .sending import put_large, sent_by_value, strip_own_gang, unpicklable
 
 logger = logging.getLogger(__name__)
 
-PUT_THRESHOLD_BYTES = 64 * 1024
 # How long a proxy whose dispatcher died waits for the answer of one found under its name.
 LOOKUP_WAIT_S = 10.0
 # Progress lines on long waits: placement.progress_after_s() / PROGRESS_EVERY_S (one setting
@@ -65,97 +66,6 @@ def wait_with_progress(ref, what: str, timeout_s: float | None) -> Any:
         if elapsed >= next_note:
             logger.warning("%s: still waiting after %.0fs", what, elapsed)
             next_note += PROGRESS_EVERY_S
-
-
-def _nbytes(obj: Any, depth: int = 0) -> int:
-    """A cheap estimate of an object's pickled size (enough to decide on ray.put)."""
-    nb = getattr(obj, "nbytes", None)
-    if isinstance(nb, int):
-        return nb
-    if isinstance(obj, bytes | bytearray | str):
-        return len(obj)
-    if depth < 2 and isinstance(obj, list | tuple) and obj:
-        head = obj[:8]
-        return sum(_nbytes(x, depth + 1) for x in head) * len(obj) // len(head)
-    if depth < 2 and isinstance(obj, dict) and obj:
-        vals = list(obj.values())
-        head = vals[:16]
-        return sum(_nbytes(v, depth + 1) for v in head) * len(vals) // len(head)
-    return 64
-
-
-def _strip_own_gang(per_worker: list[tuple[tuple, dict]], gang: GangRef) -> list[tuple[tuple, dict]]:
-    """Send this gang's own LazyResults to its dispatcher without their GangRef (``gang=None``).
-
-    The dispatcher knows its own gang; the GangRef's actor handle and mesh would be pickled
-    here and unpickled there on every chained call. Other values pass unchanged.
-    """
-    light: dict[int, LazyResult] = {}
-
-    def conv(v: Any) -> Any:
-        if not isinstance(v, LazyResult) or v.gang is not gang:
-            return v
-        c = light.get(id(v))
-        if c is None:  # one copy per value, so the dispatcher routes it once
-            c = light[id(v)] = LazyResult(v._plan_ref, collect=v.collect, gang=None, method=v.method,
-                                          timeout=v.timeout, out=v._out, turn=v._turn)
-        return c
-
-    if not any(isinstance(v, LazyResult) for a, kw in per_worker for v in (*a, *kw.values())):
-        return per_worker
-    return [(tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()})
-            for args, kwargs in per_worker]
-
-
-def put_large(per_worker: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
-    """Replace large top-level argument values by ObjectRefs, one ``ray.put`` per object.
-
-    Keeps payload off the dispatcher: it only ever sees the refs, and each
-    worker pulls its piece straight from the object store.
-    """
-    cache: dict[int, Any] = {}
-
-    def conv(v: Any) -> Any:
-        if isinstance(v, LazyResult | ray.ObjectRef) or _nbytes(v) < PUT_THRESHOLD_BYTES:
-            return v
-        key = id(v)
-        if key not in cache:
-            cache[key] = ray.put(v)
-        return cache[key]
-
-    return [
-        (tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()})
-        for args, kwargs in per_worker
-    ]
-
-
-def _unpicklable(args: tuple, kwargs: dict) -> str | None:
-    for name, v in [*((f"argument {i}", a) for i, a in enumerate(args)),
-                    *((f"argument '{k}'", v) for k, v in kwargs.items())]:
-        try:
-            cloudpickle.dumps(v)
-        except Exception as e:
-            return f"{name} of type {type(v).__name__} cannot be pickled: {e}"
-    return None
-
-
-def _inline(per_worker: list[tuple[tuple, dict]]) -> tuple[tuple[str, Any], ...]:
-    """The arguments sent to the dispatcher by value, named as ``_unpicklable`` names them.
-
-    Only these can fail to unpickle there: payload went to the object store (``put_large``)
-    and LazyResults are routed, so neither is kept (a LazyResult holds no caller's payload).
-    Each value kept is below ``PUT_THRESHOLD_BYTES`` by ``_nbytes``' estimate.
-    """
-    seen: set[int] = set()
-    kept = []
-    for args, kwargs in per_worker:
-        for name, v in [*((f"argument {i}", a) for i, a in enumerate(args)),
-                        *((f"argument '{k}'", v) for k, v in kwargs.items())]:
-            if isinstance(v, ray.ObjectRef | LazyResult) or id(v) in seen:
-                continue
-            seen.add(id(v))
-            kept.append((name, v))
-    return tuple(kept)
 
 
 def _caller() -> tuple[int, int] | None:
@@ -196,6 +106,9 @@ class GangProxy:
         self._lazy_default = lazy_default
         self._desc = desc
         self._closed: str | None = None
+        # A call saw the gang's dispatcher (the one in ``_gang``) die: the next call rebuilds it
+        # (the creator's proxy) or looks it up by name (a copy). Never pickled.
+        self._lost = False
         # Set by the runtime that made this gang (never pickled): called once by close().
         self._on_close: Callable[[], None] | None = None
         self._methods: dict[str, RemoteMethod] = {}
@@ -208,11 +121,11 @@ class GangProxy:
         # be unpickled there) never takes its turn, and its failed ref tells the next call so.
         self._prev: list | None = None
         self._turn_lock = threading.Lock()
-        # Set by create_gang on the creator's proxy when max_restarts > 0: rebuilds the gang
-        # after its dispatcher died (never pickled: only the creator can).
-        self._respawn = None
-        self._respawn_limit = 0
-        self._respawns = 0
+        # Set by create_gang on the creator's proxy when max_restarts > 0 (respawn_dispatcher):
+        # rebuilds the gang after its dispatcher died, within the gang's one restart policy (the
+        # one set_restart_policy replaces); never pickled: only the creator can.
+        self._respawn: Callable[..., tuple] | None = None
+        self._policy: RestartPolicy | None = None
         self._saved_files: list | None = None  # files of the last save_state(path=...)
 
     # -- lookup --------------------------------------------------------------------------------
@@ -236,6 +149,32 @@ class GangProxy:
             m = self._methods[name] = RemoteMethod(self, name, spec)
         return m
 
+    # -- what names the gang (read-only) ------------------------------------------------------
+    @property
+    def label(self) -> str:
+        """The gang's name: its dispatcher's actor name, ``'group/Class'`` (or ``'group/Class-2'``)."""
+        return self._desc["label"]
+
+    @property
+    def group(self) -> str:
+        """The name of the DeviceGroup the gang runs on."""
+        return self._gang.group
+
+    @property
+    def n_workers(self) -> int:
+        """How many workers (ranks) the gang has."""
+        return self._gang.n_workers
+
+    @property
+    def backend(self) -> str | None:
+        """The gang's torch.distributed backend at its last (re)build, as its dispatcher said."""
+        return self._desc.get("backend")
+
+    @property
+    def closed(self) -> str | None:
+        """Why the gang was closed (``close(reason)``), or None while it is open."""
+        return self._closed
+
     # -- calls ---------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
@@ -247,7 +186,7 @@ class GangProxy:
     def _call(self, name: str, spec: RemoteFunction, args: tuple, kwargs: dict,
               wait_meta: bool = False) -> Any:
         self._check_open()
-        if self._gang.dispatcher_lost:
+        if self._lost:
             self._rebuild_dispatcher()
         g = self._gang
         if spec.execute == "first" or spec.dispatch == "all" or self._execute == "first":
@@ -259,7 +198,7 @@ class GangProxy:
             )
             if all(pw is per_worker[0] for pw in per_worker):  # nothing sliced: one entry for
                 per_worker = per_worker[:1]  # all, so the call costs the same at any gang size
-        per_worker = _strip_own_gang(put_large(per_worker), g)
+        per_worker = strip_own_gang(put_large(per_worker), g)
         execute = "first" if self._execute == "first" else spec.execute
         caller = _caller() if execute == "peer" else None
         try:
@@ -272,13 +211,13 @@ class GangProxy:
                 self._next_turn += 1  # only a submitted call takes a turn
                 self._prev = [settled]  # not the plan: that would pin its outputs
         except Exception as e:
-            why = _unpicklable(args, kwargs)
+            why = unpicklable(args, kwargs)
             if why is None:
                 raise
             raise TypeError(f"{g.cls_name}.{name}() on group '{g.group}': {why}") from e
         result = LazyResult(plan, collect=spec.collect, gang=g, method=name, timeout=spec.timeout,
-                            turn=turn)
-        result._sent = _inline(per_worker)  # to name an argument the dispatcher could not unpickle
+                            turn=turn, on_lost=self._dispatcher_died)
+        result._sent = sent_by_value(per_worker)  # to name an argument the dispatcher could not unpickle
         lazy = self._lazy_default if spec.lazy_collect is None else spec.lazy_collect
         if spec.sync or not lazy:
             return result.get()
@@ -304,7 +243,7 @@ class GangProxy:
     def restart(self, timeout: float | None = None) -> None:
         """Tear the gang down and rebuild it with a fresh torch.distributed world."""
         self._check_open()
-        if self._gang.dispatcher_lost:
+        if self._lost:
             self._rebuild_dispatcher()
             return
         self._desc = wait_with_progress(
@@ -334,7 +273,7 @@ class GangProxy:
             ref = g.dispatcher.save_state.remote(path, turn)
             self._next_turn += 1
             self._prev = [ref]
-        n = fetch([ref], [0], g, "save_state", timeout)[0]
+        n = fetch([ref], [0], g, "save_state", timeout, on_lost=self._dispatcher_died)[0]
         # States saved in memory are owned by the dispatcher and die with it; files do not.
         self._saved_files = None if path is None else [os.path.join(path, f"rank{r}.pt")
                                                        for r in range(n)]
@@ -347,7 +286,7 @@ class GangProxy:
         dispatcher's death is raised again."""
         g = self._gang
         with self._turn_lock:
-            if not g.dispatcher_lost:  # another thread rebuilt it
+            if not self._lost:  # another thread rebuilt it
                 return
             if self._respawn is None:
                 found = self._find_dispatcher()
@@ -361,26 +300,30 @@ class GangProxy:
                 logger.warning("gang %s: its dispatcher died; found its new one by name",
                                self._desc["label"])
                 return
-            budget = self._respawn_limit
-            if self._respawns >= budget:
+            policy = self._policy
+            if not policy.allow(time.monotonic()):
                 raise WorkerDiedError(g.group, g.cls_name, None, None,
-                                      "its dispatcher died and is not rebuilt "
-                                      f"({self._respawns} of max_restarts={budget} used)",
-                                      kind="dispatcher")
-            self._respawns += 1
-            logger.warning("gang %s: its dispatcher died; rebuilding it and the gang (%d of %d)",
-                           self._desc["label"], self._respawns, budget)
+                                      "its dispatcher died and is not rebuilt (its restart "
+                                      f"budget is spent: {policy.describe()})", kind="dispatcher")
+            logger.warning("gang %s: its dispatcher died; rebuilding it and the gang (%s)",
+                           self._desc["label"], policy.describe())
             if self._saved_files is None:
                 logger.warning("gang %s: no state saved to files; the rebuilt gang starts from "
                                "its constructor (in-memory saves die with the dispatcher)",
                                self._desc["label"])
-            self._use_dispatcher(*self._respawn(self._saved_files))
+            self._use_dispatcher(*self._respawn(self._saved_files, policy))
+
+    def _dispatcher_died(self, gang: GangRef) -> None:
+        """A call through ``gang`` found its dispatcher dead (a LazyResult's ``on_lost``); one of
+        a dispatcher this proxy has replaced already changes nothing."""
+        if gang is self._gang:
+            self._lost = True
 
     def _use_dispatcher(self, dispatcher: Any, desc: dict) -> None:
         """Call the gang through ``dispatcher`` (a new one: this proxy starts a fresh turn)."""
-        g = self._gang
-        g.dispatcher, g.dispatcher_node = dispatcher, desc.get("dispatcher_node")
-        g.dispatcher_lost = False
+        self._gang = dataclasses.replace(self._gang, dispatcher=dispatcher,
+                                         dispatcher_node=desc.get("dispatcher_node"))
+        self._lost = False
         self._desc = desc
         self._caller_id, self._next_turn, self._prev = uuid.uuid4().hex, 0, None
 
@@ -398,9 +341,14 @@ class GangProxy:
             logger.debug("gang %s: no live dispatcher found by name", g.label, exc_info=True)
             return None
 
-    def _abort(self, reason: str, ranks: list[int] | None = None) -> None:
-        """Tear the gang down: ``ranks`` are stuck in a collective with another gang that failed
-        (weight sync). Calls then raise GangStuckError, or run on the rebuilt gang."""
+    def abort(self, reason: str, ranks: list[int] | None = None) -> None:
+        """Tear the gang down: ``ranks`` (None: all) are stuck in a collective with another gang
+        that failed (weight sync). Calls then raise GangStuckError, or run on the rebuilt gang.
+
+        Example::
+
+            trainer.abort("weight sync failed on the sampler", ranks=[0])
+        """
         try:
             ray.get(self._gang.dispatcher.abort.remote(reason, ranks), timeout=10)
         except Exception:  # the dispatcher is gone: nothing left to tear down
@@ -411,13 +359,30 @@ class GangProxy:
         automatic rebuild under way (then raise only if the gang stays down)."""
         self._check_open()
         fetch([self._gang.dispatcher.check_health.remote(wait)], [0], self._gang, "check_health",
-              timeout)
+              timeout, on_lost=self._dispatcher_died)
 
     def set_restart_policy(self, max_restarts: int, window_s: float | None = None) -> str:
         """Rebuild the gang automatically at most ``max_restarts`` times within ``window_s``
-        seconds (None: ever), replacing the class's ``max_restarts``; returns the policy."""
+        seconds (None: ever), replacing the class's ``max_restarts``; returns the policy. The
+        one policy of the gang: its dispatcher's rebuilds of dead workers, and (on the creator's
+        proxy of a class with ``max_restarts``) the respawns of a dead dispatcher.
+
+        Example::
+
+            gang.set_restart_policy(3, window_s=600)   # 'max_restarts=3 within 600s'
+        """
         self._check_open()
-        return ray.get(self._gang.dispatcher.set_restart_policy.remote(max_restarts, window_s))
+        policy = RestartPolicy(max_restarts, window_s)  # a bad value raises here, changing nothing
+        described = ray.get(self._gang.dispatcher.set_restart_policy.remote(max_restarts, window_s))
+        if self._respawn is not None:
+            self._policy = policy
+        return described
+
+    def respawn_dispatcher(self, respawn: Callable[..., tuple], policy: RestartPolicy) -> None:
+        """Make this (the creator's) proxy rebuild the gang when its dispatcher dies:
+        ``respawn(saved_files, policy)`` returns (the new dispatcher, its describe()); at most
+        as often as ``policy`` (the gang's restart policy) allows."""
+        self._respawn, self._policy = respawn, policy
 
     def topology(self) -> dict:
         """The gang's ranks, nodes and devices (as its dispatcher reports them)."""

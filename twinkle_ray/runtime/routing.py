@@ -28,8 +28,9 @@ import ray
 
 from ..core.dispatch import worker_data_ranks
 from ..core.routing import peer_workers
-from .lazy import CallOutput, Collected, GangRef, LazyResult, Pieces, Window
+from .lazy import CallOutput, GangRef, LazyResult
 from .message import WorkerCall
+from .routed import Collected, Pieces, Window
 
 # Plans of at most this many recent calls are kept, each for RECENT_KEEP_S after it was
 # submitted, so routing one of them into a call chained right after it needs no fetch of the
@@ -91,7 +92,7 @@ class Router:
 
     def __init__(self, spec: Any, own: GangRef):
         self.spec = spec
-        self.own = own  # this gang, as producer of its own inputs (see proxy._strip_own_gang)
+        self.own = own  # this gang, as producer of its own inputs (see sending.strip_own_gang)
         # turn -> the call's output (its refs), for routing it into later calls here
         self.recent: OrderedDict[tuple[str, int], CallOutput] = OrderedDict()
         self._data_ranks: dict[int, tuple[int, list[int]]] = {}  # gang size -> slice_dp layout
@@ -167,7 +168,7 @@ class Router:
         if out is None:
             out = await lazy._plan_ref
         mode = lazy.collect
-        producer = lazy.gang if lazy.gang is not None else self.own  # see proxy._strip_own_gang
+        producer = lazy.gang if lazy.gang is not None else self.own  # see sending.strip_own_gang
         if lazy.gang is not None and lazy.gang.dispatcher is not None:
             self.producers[(lazy.gang.group, lazy.gang.cls_name)] = lazy.gang.dispatcher
         g = self.spec.group

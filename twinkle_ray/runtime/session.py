@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,11 +25,10 @@ from typing import Any
 
 from ..core import defaults
 from ..core.group import DeviceGroup, check_groups
-from .net import is_loopback
+from .connect import connect
 
 logger = logging.getLogger(__name__)
 
-_RESOURCE_KWARGS = ("num_cpus", "num_gpus", "resources", "object_store_memory", "labels")
 # Keywords of Twinkle's initialize() that have no meaning here, and why (docs/twinkle.md).
 _TWINKLE_ONLY = {
     "nproc_per_node": "Ray knows every node's devices; for explicit device ids that span nodes "
@@ -94,17 +92,27 @@ class Runtime:
     def register(self, proxy, group: str | None = None, bundles: list[int] | None = None) -> None:
         """Add a gang to the table; ``bundles``: those it took the devices of (see claim)."""
         self.gangs.append(proxy)
-        label = proxy._desc["label"]
+        label = proxy.label
         if group is not None:
             self.owned[label] = (group, list(bundles or []))
         proxy._on_close = lambda: self.forget(label)
 
     def forget(self, label: str) -> None:
         """Drop the gang ``label`` from the table and give its devices back to the group."""
-        self.gangs[:] = [p for p in self.gangs if p._desc["label"] != label]
+        self.gangs[:] = [p for p in self.gangs if p.label != label]
         group, bundles = self.owned.pop(label, (None, []))
         if group is not None:
             self.release(group, bundles)
+
+    def forget_adopted(self, group: str) -> None:
+        """Drop an adopted group (``adopt_placement_group``) from the tables once its gangs
+        are closed (each close ``forget``s its gang); the placement group stays its owner's
+        (e.g. a Serve replica's)."""
+        if group not in self.adopted:
+            return
+        for table in (self.groups, self.pgs, self.slots, self.claimed):
+            table.pop(group, None)
+        self.adopted.discard(group)
 
 
 _runtime: Runtime | None = None
@@ -179,7 +187,7 @@ def initialize(
                  placement_timeout_s=placement_timeout_s, start_timeout_s=start_timeout_s,
                  dist_timeout_s=dist_timeout_s)
     if mode == "ray":
-        rt.started_ray = _connect(address, namespace, ray_init_kwargs)
+        rt.started_ray = connect(address, namespace, ray_init_kwargs)
         try:
             import ray
 
@@ -211,62 +219,6 @@ def _extend(rt: Runtime, mode: str, new: list[DeviceGroup]) -> None:
         _reserve(rt, fresh)
     else:
         rt.groups.update({g.name: g for g in fresh})
-
-
-def _connect(address: str | None, namespace: str | None, kwargs: dict) -> bool:
-    """Connect to or start Ray; True if this call started it."""
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        return False
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        import ray
-
-        dropped = [k for k in _RESOURCE_KWARGS if k in kwargs]
-        if dropped:
-            logger.info("attaching to Ray at %s: ignoring %s (the cluster declares resources)",
-                        address, ", ".join(dropped))
-        rest = {k: v for k, v in kwargs.items() if k not in _RESOURCE_KWARGS}
-        ray.init(address=address, namespace=namespace, **rest)
-        return False
-    _start_embedded(namespace, kwargs)
-    return True
-
-
-# Ray 2.60 has no public ray.init argument that keeps a local instance on loopback: its node
-# address (and so the address every GCS, raylet, worker and agent server binds) is the machine's
-# external address on Linux, and ``_node_ip_address='127.0.0.1'`` is private and turned back into
-# the external address. What Ray does on macOS and Windows ("local Ray only") is switched on for
-# Linux by this environment variable, read once when ``ray`` is imported.
-LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-
-
-def _start_embedded(namespace: str | None, kwargs: dict) -> None:
-    """Start a private local Ray whose every server listens on 127.0.0.1.
-
-    ``address='local'`` starts a new instance whatever ``/tmp/ray/ray_current_cluster`` names
-    (a stopped ``ray start`` cluster leaves it behind). ``LOOPBACK_ENV=0`` is set while ray is
-    imported and started (the started processes inherit it), unless the caller set it; if ray
-    was imported before without it, Ray's node address is already fixed: we warn and go on.
-    """
-    saved = os.environ.get(LOOPBACK_ENV)
-    if saved is None:
-        os.environ[LOOPBACK_ENV] = "0"
-    try:
-        import ray
-
-        node_ip = ray.util.get_node_ip_address()
-        if saved is None and not is_loopback(node_ip):
-            logger.warning(
-                "twinkle_ray: ray was imported before initialize() without %s=0, so the embedded Ray "
-                "listens on %s, not only on 127.0.0.1; set %s=0 before importing ray (or import "
-                "ray after initialize()) to keep it on loopback", LOOPBACK_ENV, node_ip, LOOPBACK_ENV)
-        kwargs.setdefault("dashboard_host", "127.0.0.1")
-        kwargs.setdefault("log_to_driver", True)
-        ray.init(address="local", namespace=namespace, **kwargs)
-    finally:
-        if saved is None:
-            os.environ.pop(LOOPBACK_ENV, None)
 
 
 def _reserve(rt: Runtime, groups: list[DeviceGroup]) -> None:
@@ -479,7 +431,7 @@ def get_device_placement(groups: Sequence[str | DeviceGroup] | None = None) -> s
         for rank, s in enumerate(rt.slots.get(name, [])):
             dev = f"{g.resource_name} {list(s.devices)}" if g.resource_name else "cpu"
             lines.append(f"  rank {rank:<3} node {s.node_ip} ({s.node_id[:8]})  {dev:<12} bundle {s.bundle_index}")
-        gangs = [p for p in rt.gangs if p._gang.group == name and not p._closed]
+        gangs = [p for p in rt.gangs if p.group == name and not p.closed]
         for p in gangs:
-            lines.append(f"  gang {p._desc['label']}: {p._gang.n_workers} worker(s), backend {p._desc.get('backend')}")
+            lines.append(f"  gang {p.label}: {p.n_workers} worker(s), backend {p.backend}")
     return "\n".join(lines)

@@ -32,11 +32,12 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..core.routing import TupleLengths, length_record
-from .lazy import END_OF_ITERATION, resolve_routed
+from .lazy import END_OF_ITERATION
 from .message import WorkerCall
 from .metrics import GangMetrics, args_nbytes
 from .net import is_loopback, loopback_listener
 from .placement import resource_options
+from .routed import resolve_routed
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,183 @@
+"""Rebuild: what a failure leads to, and the rebuild itself.
+
+A failure (a death, a stuck collective, an abort) tears the gang down whole
+(survivors are never trusted inside a collective) and keeps the error for
+callers. The gang's :class:`~twinkle_ray.runtime.restarts.RestartPolicy`
+decides whether it is rebuilt automatically; ``restart()`` rebuilds it on
+request. A rebuild waits for its bundles to be placed on live nodes (after a
+node loss Ray re-places them), then builds a fresh generation within
+``start_timeout_s`` with the last saved state restored. A rebuild that fails
+leaves the gang down with GangRebuildError saying why; a newer restart() or
+stop() ends a rebuild under way and kills what it built.
+
+Example::
+
+    rebuilds = Rebuilder(builder)
+    await rebuilds.fail(error)     # teardown, and an automatic rebuild if the policy allows
+    await rebuilds.settled()       # no build under way
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import ray
+
+from .build import Builder
+from .errors import GangRebuildError, PlacementError, WorkerDiedError, cause_text
+from .health import alive_node_ids
+from .placement import check_named_nodes, remove
+from .restarts import RestartMetrics, RestartPolicy
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_POLL_S = 0.5
+
+
+class Rebuilder:
+    """One gang's restart policy and rebuilds (plain Python, owned by its dispatcher)."""
+
+    def __init__(self, builder: Builder):
+        self.builder = builder
+        self.state, self.deaths = builder.state, builder.deaths
+        spec = self.state.spec
+        self.policy = RestartPolicy(spec.max_restarts, spec.restart_window_s)
+        self.metrics = RestartMetrics.create(spec.label, spec.metrics)
+        self.restarts = 0  # automatic rebuilds started
+        self._task: asyncio.Task | None = None  # the build under way (automatic or restart())
+
+    @property
+    def building(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def settled(self) -> None:
+        """Wait until no build is under way (a build that restart() replaced is followed by its
+        replacement). Never cancels the build."""
+        while self.building:
+            await asyncio.wait([self._task])
+
+    def stop(self) -> None:
+        """The gang is being stopped: end a build under way."""
+        if self._task is not None:
+            self._task.cancel()
+
+    def set_policy(self, max_restarts: int, window_s: float | None = None) -> str:
+        self.policy = RestartPolicy(max_restarts, window_s)
+        return self.policy.describe()
+
+    async def fail(self, error: WorkerDiedError) -> None:
+        """The gang is broken: keep ``error`` for callers, tear it down whole, rebuild if allowed."""
+        st = self.state
+        self.deaths.died(error, st.actor_ids())
+        logger.warning("%s", error)
+        if st.stopped:
+            await self.builder.kill()
+            return
+        if self.policy.max_restarts > 0 and self.policy.allow(asyncio.get_running_loop().time()):
+            self.restarts += 1
+            if self.metrics is not None:
+                self.metrics.restarted(error.kind)
+            logger.warning("gang %s: automatic rebuild %d (%s)", st.label, self.restarts,
+                           self.policy.describe())
+            self._task = asyncio.ensure_future(self._rebuild(error, "automatic"))
+            return
+        if self.policy.max_restarts > 0:
+            if self.metrics is not None:
+                self.metrics.refused_one()
+            reason = (f"not rebuilt: its restart budget is spent ({self.restarts} automatic "
+                      f"rebuild(s); {self.policy.describe()})")
+            self.deaths.not_rebuilt(reason, GangRebuildError(error, reason))
+        await self.builder.kill()
+
+    async def restart(self) -> None:
+        """A rebuild asked for (``restart()``); ends a build under way first and kills what it
+        built. Returns once the gang is settled (up, or down with the rebuild's error)."""
+        if self.metrics is not None:
+            self.metrics.restarted("manual")
+        previous = self._task
+        if previous is not None and not previous.done():
+            logger.warning("gang %s: restart() asked for during a rebuild; ending that one and "
+                           "building afresh", self.state.label)
+            previous.cancel()
+        else:
+            logger.warning("gang %s: restart() asked for; rebuilding it", self.state.label)
+        death = self.deaths.restarting()  # what a failed rebuild followed
+        # As a task of its own, like an automatic rebuild: calls (and a second restart) arriving
+        # meanwhile wait for it instead of finding the gang half built.
+        self._task = asyncio.ensure_future(self._rebuild(death, "restart()", previous))
+        await self.settled()
+
+    async def _rebuild(self, error: WorkerDiedError | None, how: str,
+                       previous: asyncio.Task | None = None) -> None:
+        """A rebuild (``how``: 'automatic' after ``error``, or 'restart()'), once ``previous``
+        (a build it replaces, cancelled) has ended; if it fails, calls get why
+        (GangRebuildError). Cancelled (by restart() or stop()), it kills what it built."""
+        if previous is not None:
+            await asyncio.wait([previous])
+        st = self.state
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            await self.builder.kill()
+            await self._placement_ready()
+            await self.builder.start_within(st.spec.start_timeout_s)
+        except asyncio.CancelledError:
+            await self.builder.kill()
+            raise
+        except Exception as e:
+            if self.metrics is not None:
+                self.metrics.failed()
+            reason = cause_text(e) if not isinstance(e, PlacementError) else str(e)
+            self.deaths.not_rebuilt(reason, None if st.stopped else GangRebuildError(
+                error, reason, how, gang=(st.spec.group.name, st.spec.cls_name)))
+            return
+        logger.warning("gang %s rebuilt (%s) in %.1fs%s", st.label, how, loop.time() - t0,
+                       f" after: {error}" if error is not None else "")
+
+    async def _placement_ready(self) -> None:
+        """Wait until every bundle of the gang is placed on a live node (after a node loss Ray
+        re-places the bundles that were on it once some node has room). After
+        ``placement_timeout_s`` the placement group is removed (nothing stays reserved) and
+        PlacementError names the bundles and resources missing."""
+        spec, g = self.state.spec, self.state.spec.group
+        await asyncio.to_thread(check_named_nodes, g, self.state.slots)
+        index = sorted({s.bundle_index for s in self.state.slots})
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + spec.placement_timeout_s
+        while True:
+            state, missing = await asyncio.to_thread(_placement_state, spec.pg, index)
+            if state == "REMOVED":
+                raise PlacementError(f"gang {spec.label}: the placement group of group '{g.name}' "
+                                     f"was removed; create the gang again")
+            if state == "CREATED" and not missing:
+                return
+            if loop.time() >= deadline:
+                need: dict[str, float] = {}
+                for b in missing:
+                    for k, v in spec.pg.bundle_specs[b].items():
+                        need[k] = need.get(k, 0.0) + v
+                have = await asyncio.to_thread(ray.available_resources)
+                fmt = ", ".join(f"{k}: {v:g}" for k, v in sorted(need.items()))
+                avail = ", ".join(f"{k}: {have.get(k, 0.0):g}" for k in sorted(need))
+                if spec.owns_pg:
+                    await asyncio.to_thread(remove, spec.pg)
+                    left = ("The group's placement group was removed, so nothing stays reserved; "
+                            "add capacity and create the gang again")
+                else:  # shared with other groups, or adopted (Serve's): not this gang's to remove
+                    left = ("The placement group is shared with other groups or owned by its "
+                            "creator, so it stays; add capacity and restart() the gang")
+                raise PlacementError(
+                    f"gang {spec.label} cannot be rebuilt: bundle(s) {missing} of group '{g.name}' "
+                    f"found no node within placement_timeout_s={spec.placement_timeout_s:g}s "
+                    f"(their node left the cluster): missing {{{fmt}}}, available {{{avail}}}. "
+                    + left)
+            await asyncio.sleep(PLACEMENT_POLL_S)
+
+
+def _placement_state(pg, index: list[int]) -> tuple[str, list[int]]:
+    """(the placement group's state, the bundles of ``index`` not placed on a live node)."""
+    table = ray.util.placement_group_table(pg)
+    alive = alive_node_ids()
+    where = table.get("bundles_to_node_id") or {}
+    return table.get("state", "?"), [b for b in index if where.get(b) not in alive]
