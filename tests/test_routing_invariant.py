@@ -120,6 +120,12 @@ class Node:
         return get_rank() * 10, get_rank() * 10 + 1
 
     @remote_function(dispatch="all", collect="flatten")
+    def p_uneven_dict(self):
+        """A dict whose keys have different lengths (per-sample tokens, per-prompt prompts)."""
+        r = get_rank()
+        return {"tok": [10 * r + j for j in range(4)], "prompt": [f"p{r}"], "temp": 0.7}
+
+    @remote_function(dispatch="all", collect="flatten")
     def p_sample(self):
         """A sampler's (tokens, logprobs): two rows per rank."""
         r = get_rank()
@@ -211,6 +217,8 @@ def ref_window(v, parts: int, index: int, elementwise: bool):
     if elementwise and isinstance(v, tuple):
         items = [ref_window(e, parts, index, elementwise) for e in v]
         return type(v)(*items) if hasattr(v, "_fields") else tuple(items)
+    if isinstance(v, dict) and len({ref_len(x) for x in v.values()} - {None}) > 1:
+        return {k: ref_window(x, parts, index, False) for k, x in v.items()}  # key by key
     n = ref_len(v)
     if n is None:
         return v
@@ -243,7 +251,8 @@ def consumer_windows(consumer: str, n: int, mesh: DeviceMesh, gpw: int) -> list[
         return [(n, i) for i in range(n)]
     dp = [mesh.get_data_rank_from_global_rank(i * gpw) for i in range(n)]  # DESIGN 6
     windows = [(mesh.data_world_size, d) for d in dp]
-    return windows[:1] if consumer == "c_first_worker" else windows
+    # execute='first': the one worker gets the value whole, as it gets plain arguments
+    return [None] if consumer == "c_first_worker" else windows
 
 
 # --------------------------------------------------------------------------- the table
@@ -330,6 +339,22 @@ def test_tuple_results_route_element_wise(gangs):
     tokens, logprobs = dp.p_sample()()
     got = dp.c_slice_dp(dp.p_sample())()
     assert got == [[(tokens[2 * i:2 * i + 2], logprobs[2 * i:2 * i + 2])] for i in range(4)]
+
+
+def test_dict_with_keys_of_different_lengths_routes_key_by_key(gangs):
+    """Review: a dict whose values differ in length is sliced key by key, as slice_dp splits the
+    fetched value, never handed whole to every data rank."""
+    dp, _, _ = gangs["dp"]  # 4 ranks
+    pairs, mesh, gpw = gangs["gpw2"]  # 2 workers, dp=2
+    fetched = dp.p_uneven_dict()()
+    assert fetched == {"tok": [10 * r + j for r in range(4) for j in range(4)],
+                       "prompt": ["p0", "p1", "p2", "p3"], "temp": 0.7}
+    got = pairs.c_slice_dp(dp.p_uneven_dict())()
+    assert got == [[{"tok": fetched["tok"][:8], "prompt": ["p0", "p1"], "temp": 0.7}],
+                   [{"tok": fetched["tok"][8:], "prompt": ["p2", "p3"], "temp": 0.7}]]
+    plain = pairs.c_slice_dp(fetched)()  # the same value passed plainly: split the same way
+    assert got == plain
+    assert pairs.c_first_worker(dp.p_uneven_dict())() == [fetched] == pairs.c_first_worker(fetched)()
 
 
 def test_mesh_in_gang_worker_agrees_with_routing(gangs):

@@ -667,7 +667,8 @@ def _merged(lanes: list, totals: dict) -> Iterator[list[tuple[str, Any]]]:
             try:
                 work.wait(ch.timeout)
             except BaseException:
-                ch.close()  # broken: closing it ends the other ends' waits at once
+                for other, _, _ in lanes:  # broken: closing every lane ends all sources' waits at once
+                    other.close()
                 raise
             totals["bytes"] += buf.numel() * buf.element_size()
             out, offset = [], 0

@@ -420,28 +420,32 @@ class WeightSyncMixin:
         w0 = bytes_written()
         lane, _ = self.weight_sync_lane()
         ch = self._weight_channels().get(channel) if lane is not None else None
+        stats: SyncStats | None = None
+        error: BaseException | None = None
+        tensors: Any = None
         if lane is not None and (ch is None or ch.pg is None):
-            raise RuntimeError(
+            # Raised at the end: this rank still builds its tensors (the other ranks' gathers) and
+            # joins the figures' collective, so no rank of the gang is left inside one.
+            error = RuntimeError(
                 f"weight sync channel {channel!r} is not set up in {type(self).__name__} rank {get_rank()} "
                 f"(lane {lane}; was the gang restarted?); WeightSync sets it up again on the next sync"
             )
+            ch = None
         try:
             tensors = self.weight_sync_tensors()
         except Exception as e:  # nothing sent yet: the receivers raise this too, the channel stays in step
             if ch is not None:
                 ch.fail(f"{type(self).__name__} rank {get_rank()}: weight_sync_tensors() raised "
                         f"{type(e).__name__}: {e}")
-            raise
-        stats: SyncStats | None = None
-        error: BaseException | None = None
+            error = error or e  # raised after the figures' collective, which every rank must join
         try:
-            if ch is not None:
+            if error is None and ch is not None:
                 stats = ch.send(_pairs(tensors), names=names, only_changed=only_changed, bucket_mb=bucket_mb)
-            elif isinstance(tensors, TensorSource) or hasattr(tensors, "metadata"):
+            elif tensors is not None and (isinstance(tensors, TensorSource) or hasattr(tensors, "metadata")):
                 for _ in tensors:  # in step with the sources' gathers
                     pass
         except Exception as e:  # reported after the figures are exchanged: the other ranks must not hang
-            error = e
+            error = error or e
         merged = _merge_lanes(stats, bytes_written() - w0)
         if error is not None:
             raise error

@@ -263,6 +263,8 @@ class Dispatcher:
                 method, per_worker, dispatch, execute, caller, len(workers),
                 wait_meta=wait_meta, collect=collect,
             )
+            if workers is not self.state.workers:  # rebuilt while planning: the new workers
+                workers = await self._running_workers()
             out = self._submit(plan, workers)  # 4. submit
             self._routing().remember(turn[:2] if turn else None, out)
         if wait_meta:

@@ -66,8 +66,8 @@ class Window:
             return _like(value, items)
         try:
             n = batch_len(value)
-        except ValueError:  # a dict whose values differ in length: not one batch
-            n = None
+        except ValueError:  # a dict whose values differ in length: key by key, as slice_dp splits it
+            return {k: self.apply(v, [], element) for k, v in value.items()}
         if n is None:
             return value
         [(_, w)] = self.pieces([n], element)

@@ -125,6 +125,8 @@ class Router:
     ) -> CallPlan:
         """Plan a call on a gang of ``n`` running workers (see the module docstring)."""
         targets = call_targets(execute, caller, n)
+        if execute == "first":  # one worker runs it: it gets the value whole, as plain arguments are
+            dispatch = "all"
         routes: dict[int, list] = {}
         lengths: list = []  # producers' length records: leading values of every message
         leads, argss, kwargss = [], [], []
