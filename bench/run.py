@@ -84,6 +84,10 @@ def run(argv: list[str] | None = None) -> dict:
                 results += overlap.bench_overlap(steps=4 if args.quick else 8)
             if "B10" in only:
                 results += cases.bench_driver_cpu(cfg)
+            if "B8" in only:  # the long tail: slice_dp vs dispatch='balance' (bench/longtail.py)
+                from bench import longtail
+
+                results += longtail.bench_longtail(cfg)
         finally:
             ray.shutdown()
     if "W1" in only:  # its own 2-raylet cluster: in a process of its own
@@ -149,8 +153,9 @@ def table(report: dict) -> str:
     slopes = [r for r in report["results"] if r.get("slope")]
     whatifs = [r for r in report["results"] if r.get("whatif")]
     metrics = [r for r in report["results"] if r.get("metrics_cost")]
+    b8 = [r for r in report["results"] if r.get("b8")]
     for row in report["results"]:
-        if row in scaling or row in whatifs or row in slopes or row in metrics:
+        if row in scaling or row in whatifs or row in slopes or row in metrics or row in b8:
             continue
         unit = row.get("unit", "ms")
         if row.get("floor"):  # the one-hop floor: its time stands in the twinkle_ray column
@@ -203,6 +208,10 @@ def table(report: dict) -> str:
             extra = (row["twinkle_s"] - row["raw_s"]) * 1000
             lines.append(f"{row['workers']:>8} {_fmt_time(row['twinkle_s'], 'ms'):>12} "
                          f"{_fmt_time(row['raw_s'], 'ms'):>12} {row['ratio']:6.2f}x {extra:7.2f} ms")
+    if b8:
+        from bench import longtail
+
+        lines += longtail.table_lines(b8, _check)
     for row in slopes:
         fitted = ", ".join(str(w) for w in row["workers_fitted"])
         lines.append(f"{'slope':>8} {row['twinkle_ms_per_worker']:9.3f} ms {row['raw_ms_per_worker']:9.3f} ms "
