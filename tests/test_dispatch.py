@@ -71,7 +71,7 @@ def firsts(calls):
 
 
 def test_mode_tuples():
-    assert DISPATCH_MODES == ('slice', 'all', 'slice_dp')
+    assert DISPATCH_MODES == ('slice', 'all', 'slice_dp', 'balance')
     assert EXECUTE_MODES == ('all', 'first', 'peer')
     assert COLLECT_MODES == ('none', 'flatten', 'mean', 'sum', 'first', 'last_pp', 'last_pp_first')
 
@@ -92,7 +92,7 @@ def test_check_execute_accepts(mode):
 
 
 def test_check_dispatch_rejects_and_lists_modes():
-    with pytest.raises(ValueError, match=r"unknown dispatch mode 'split'; expected one of 'slice', 'all', 'slice_dp' or a callable"):
+    with pytest.raises(ValueError, match=r"unknown dispatch mode 'split'; expected one of 'slice', 'all', 'slice_dp', 'balance' or a callable"):
         check_dispatch('split')
     with pytest.raises(ValueError, match='unknown dispatch mode None'):
         check_dispatch(None)

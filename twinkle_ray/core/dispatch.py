@@ -55,7 +55,7 @@ __all__ = [
     'worker_global_rank',
 ]
 
-DISPATCH_MODES = ('slice', 'all', 'slice_dp')
+DISPATCH_MODES = ('slice', 'all', 'slice_dp', 'balance')
 EXECUTE_MODES = ('all', 'first', 'peer')
 COLLECT_MODES = ('none', 'flatten', 'mean', 'sum', 'first', 'last_pp', 'last_pp_first')
 
@@ -84,7 +84,7 @@ def check_dispatch(mode: Any) -> None:
         >>> check_dispatch('slice_dp')
         >>> check_dispatch('split')
         Traceback (most recent call last):
-        ValueError: unknown dispatch mode 'split'; expected one of 'slice', 'all', 'slice_dp' or a callable
+        ValueError: unknown dispatch mode 'split'; expected one of 'slice', 'all', 'slice_dp', 'balance' or a callable
     """
     _check_mode('dispatch', mode, DISPATCH_MODES, allow_callable=True)
 
@@ -389,7 +389,7 @@ def dispatch(
 
     if not isinstance(mode, str):
         return _dispatch_callable(mode, n_workers, args, kwargs, device_mesh, method, group)
-    if mode == 'all':
+    if mode in ('all', 'balance'):  # balance: chunks are handed out while the call runs (core.balance)
         shared = (args, kwargs)
         return [shared] * n_workers
     if mode == 'slice':

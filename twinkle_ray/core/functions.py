@@ -21,6 +21,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from . import balance
 from .dispatch import check_collect, check_dispatch, check_execute
 
 
@@ -37,13 +38,16 @@ class RemoteFunction:
         sync: bool = False,
         lazy_collect: bool | None = None,
         timeout: float | None = None,
+        chunk_size: int | None = None,
     ):
         check_dispatch(dispatch)
         check_execute(execute)
         check_collect(collect)
         if timeout is not None and timeout <= 0:
             raise ValueError(f"remote_function timeout must be positive, got {timeout!r}")
+        check_balance(dispatch, execute, collect, chunk_size)
         self.fn = fn
+        self.chunk_size = chunk_size
         self.dispatch = dispatch
         self.execute = execute
         self.collect = collect
@@ -56,6 +60,8 @@ class RemoteFunction:
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         if obj is None:
             return self
+        if self.dispatch == "balance":  # in-process (local mode): chunk by chunk, as in a gang
+            return functools.partial(_run_balanced_local, self, obj)
         return types.MethodType(self.fn, obj)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -65,6 +71,34 @@ class RemoteFunction:
         name = getattr(self.fn, "__qualname__", "?")
         return (f"<remote_function {name} dispatch={self.dispatch!r} execute={self.execute!r} "
                 f"collect={self.collect!r}>")
+
+
+def check_balance(dispatch: Any, execute: str, collect: Any, chunk_size: Any) -> None:
+    """ValueError for settings ``dispatch='balance'`` cannot take: execute 'first'/'peer'
+    (chunks go to every data-parallel group), a collect other than 'flatten'/'none' (the
+    results are one list in input order), a chunk_size that is not a positive int, or a
+    chunk_size without balance.
+
+    >>> check_balance("balance", "first", "flatten", None)
+    Traceback (most recent call last):
+    ValueError: dispatch='balance' with execute='first' is not supported: a balanced call runs on every data-parallel group (execute='all')
+    """
+    if dispatch != "balance":
+        if chunk_size is not None:
+            raise ValueError(f"chunk_size={chunk_size!r} needs dispatch='balance' (got dispatch={dispatch!r})")
+        return
+    balance.check_chunk_size(chunk_size)
+    if execute != "all":
+        raise ValueError(f"dispatch='balance' with execute={execute!r} is not supported: a balanced call "
+                         f"runs on every data-parallel group (execute='all')")
+    if collect not in ("flatten", "none"):
+        raise ValueError(f"dispatch='balance' with collect={collect!r} is not supported: a balanced "
+                         f"call's results are one list in input order (collect='flatten' or 'none')")
+
+
+def _run_balanced_local(spec: RemoteFunction, obj: Any, *args: Any, **kwargs: Any) -> Any:
+    where = f"{type(obj).__name__}.{getattr(spec.fn, '__name__', '?')}()"
+    return balance.run_local(types.MethodType(spec.fn, obj), args, kwargs, spec.chunk_size, where)
 
 
 DEFAULT_FUNCTION = RemoteFunction(None)
@@ -77,6 +111,7 @@ def remote_function(
     sync: bool = False,
     lazy_collect: bool | None = None,
     timeout: float | None = None,
+    chunk_size: int | None = None,
 ) -> Callable[[Callable], RemoteFunction]:
     """Mark a method of a remote class with how calls split, run and join.
 
@@ -84,7 +119,13 @@ def remote_function(
 
     Args:
         dispatch: how the arguments split over the workers: ``'slice'`` |
-            ``'all'`` | ``'slice_dp'`` | ``fn(n, i, args, kwargs, mesh)``.
+            ``'all'`` | ``'slice_dp'`` | ``'balance'`` | ``fn(n, i, args, kwargs, mesh)``.
+            ``'balance'``: the list arguments are cut into chunks of ``chunk_size``
+            items, each handed to whichever data-parallel group is free (its tp/pp
+            peers get the same chunk); the method takes a list and returns a list of
+            the same length (else ValueError); non-list arguments go whole to every
+            chunk; results come back in input order. Only with execute ``'all'``
+            and collect ``'flatten'``/``'none'``.
         execute: which workers run the call: ``'all'`` | ``'first'`` | ``'peer'``.
         collect: how the workers' results join: ``'none'`` | ``'flatten'`` |
             ``'mean'`` | ``'sum'`` | ``'first'`` | ``'last_pp'`` |
@@ -92,7 +133,11 @@ def remote_function(
             ``fn(results, mesh)``.
         sync: return the value instead of a LazyResult.
         lazy_collect: False does the same as ``sync=True``.
-        timeout: seconds to wait for the result; a CallTimeoutError names late ranks.
+        timeout: seconds to wait for the result (a balanced call: all of it); a
+            CallTimeoutError names late ranks.
+        chunk_size: items per chunk of a ``dispatch='balance'`` call (ValueError with
+            any other dispatch). None: ``ceil(n / (8 * data-parallel groups))``, about
+            8 chunks per group; 1: per item.
 
     Returns:
         The method decorator (it wraps the method in a ``RemoteFunction``).
@@ -105,9 +150,15 @@ def remote_function(
         ...         return [2 * x for x in xs]
         >>> M().double([1, 2])
         [2, 4]
+        >>> class S:
+        ...     @remote_function(dispatch="balance", collect="flatten", chunk_size=2)
+        ...     def square(self, xs):
+        ...         return [x * x for x in xs]
+        >>> S().square([1, 2, 3])   # local: chunks [1, 2], [3]; results in input order
+        [1, 4, 9]
     """
     options = dict(dispatch=dispatch, execute=execute, collect=collect, sync=sync,
-                   lazy_collect=lazy_collect, timeout=timeout)
+                   lazy_collect=lazy_collect, timeout=timeout, chunk_size=chunk_size)
     RemoteFunction(None, **options)  # validate now, not when the method is decorated
 
     def decorate(fn: Callable) -> RemoteFunction:

@@ -153,6 +153,7 @@ class Builder:
         st = self.state
         st.generation += 1  # watchers of the old generation now ignore deaths
         workers, st.workers = st.workers, []
+        st.chunks.clear()  # balanced calls of this generation end: no chunk is handed out again
         self.health.unwatch()
         if graceful and workers:
             await asyncio.wait([asyncio.ensure_future(quiet(w.stop.remote())) for w in workers],

@@ -68,8 +68,8 @@ class Dispatcher:
         self._gang_ref: GangRef | None = None  # this gang (with this actor's handle)
         self._router: Router | None = None
         self.metrics = GangMetrics.create(spec.label, spec.metrics)
-        # (method, with length record) -> (the workers list, each worker's bound task method)
-        self._bound: dict[tuple[str, bool], tuple[list, list]] = {}
+        # (method, with length record, balanced) -> (the workers list, each one's bound task method)
+        self._bound: dict[tuple[str, bool, bool], tuple[list, list]] = {}
         # (node id, ip) of this actor: named in its death and in topology()
         self.node = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
 
@@ -277,7 +277,7 @@ class Dispatcher:
         self.seq += 1
         if self.metrics is not None:
             self.metrics.called(plan.method)
-        submit = self._submitters(plan.method, plan.with_meta, workers)
+        submit = self._submitters(plan.method, plan.with_meta, workers, plan.balanced)
         refs, metas = [], []
         for i, msg in zip(plan.targets, plan.messages(self.seq), strict=True):
             if plan.with_meta:
@@ -286,19 +286,29 @@ class Dispatcher:
             else:
                 payload = submit[i].remote(*msg.task_args(), **msg.kwargs)
             refs.append(payload)
-        return CallOutput(refs=refs, metas=metas, workers=list(plan.targets))
+        return CallOutput(refs=refs, metas=metas, workers=list(plan.targets), balanced=plan.balanced)
+
+    async def next_chunk(self, gen: int, seq: int, group: int, k: int, n_chunks: int,
+                         n_workers: int) -> int | None:
+        """dispatch='balance': the chunk data-parallel group ``group`` runs as its k-th in
+        call ``seq`` (None: no more). Never waits (see runtime.balance)."""
+        if gen != self.state.generation:
+            return None
+        return self.state.chunks.ask(seq, group, k, n_chunks, n_workers)
 
     # -- submitting and routing -----------------------------------------------------------------
-    def _submitters(self, method: str, with_meta: bool, workers: list) -> list:
+    def _submitters(self, method: str, with_meta: bool, workers: list, balanced: bool = False) -> list:
         """Each worker's bound task method for ``method`` (``run`` with two returns, or
         ``run_value``), named 'group/Class.method' for Ray's task list and timeline unless
         metrics are off. Made once per method and set of workers: nothing per call."""
-        key = (method, with_meta)
+        key = (method, with_meta, balanced)
         hit = self._bound.get(key)
         if hit is not None and hit[0] is workers:
             return hit[1]
         opts = {"name": f"{self.spec.label}.{method}"} if self.spec.metrics else {}
-        if with_meta:
+        if balanced:  # dispatch='balance': a chunk loop (runtime.balance), positions record back
+            bound = [w.run_balanced.options(num_returns=2, **opts) for w in workers]
+        elif with_meta:
             bound = [w.run.options(num_returns=2, **opts) for w in workers]
         else:
             bound = [w.run_value.options(**opts) if opts else w.run_value for w in workers]

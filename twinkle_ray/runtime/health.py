@@ -203,6 +203,7 @@ class Health:
         grace period: ranks still inside that same call are stuck in a collective, and the gang
         goes. A gang without torch.distributed has no collective to be stuck in: no check.
         Ranks still on an earlier call are not stuck by this one's failure."""
+        self.state.chunks.drop(seq)  # a balanced call that raised hands out no more chunks
         grace = self.state.spec.stuck_grace_s
         if grace is None or not self.state.distributed or not self.state.current(gen):
             return

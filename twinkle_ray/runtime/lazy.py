@@ -32,6 +32,7 @@ from ray.exceptions import (
     RayTaskError,
 )
 
+from ..core.balance import in_input_order
 from ..core.dispatch import collect as collect_results
 from .errors import CallTimeoutError, WorkerDiedError, death_cause
 
@@ -54,6 +55,8 @@ class CallOutput:
     metas: list  # each output's batch length (or None / END_OF_ITERATION), or an ObjectRef of it
     workers: list[int]  # gang rank of each executing worker
     ended: bool = False  # __next__ reported exhaustion
+    # dispatch='balance': metas are positions records (see runtime.balance), not lengths
+    balanced: bool = False
 
 
 @dataclass(frozen=True)
@@ -295,6 +298,11 @@ class LazyResult(Pending):
             except Exception:
                 _read_quietly(out.metas)  # their copy of the error is handled too: no log noise
                 raise
+            if out.balanced:  # dispatch='balance': one list, in input order
+                positions = fetch(out.metas, out.workers, self.gang, self.method, None)
+                self._value = in_input_order(values, positions)
+                self._has_value = True
+                return self._value
             self._value = collect_results(
                 self.collect,
                 values,

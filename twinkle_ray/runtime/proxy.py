@@ -31,10 +31,11 @@ import ray
 from ..core.dispatch import dispatch as split_args
 from ..core.functions import DEFAULT_FUNCTION, RemoteFunction
 from ..core.platform import Platform
+from . import balance
 from .errors import WorkerDiedError
 from .lazy import GangRef, LazyResult, fetch
 from .restarts import RestartPolicy
-from .sending import put_large, sent_by_value, strip_own_gang, unpicklable
+from .sending import _nbytes, put_large, sent_by_value, strip_own_gang, unpicklable
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +190,9 @@ class GangProxy:
         if self._lost:
             self._rebuild_dispatcher()
         g = self._gang
-        if spec.execute == "first" or spec.dispatch == "all" or self._execute == "first":
+        if spec.dispatch == "balance":  # chunks handed out while the call runs (runtime.balance)
+            per_worker = balance.split(name, spec, g, self._execute, args, kwargs, _nbytes)
+        elif spec.execute == "first" or spec.dispatch == "all" or self._execute == "first":
             per_worker = [(args, kwargs)]
         else:
             per_worker = split_args(

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.balance import ChunkTable
 from .placement import BundleSlot
 
 
@@ -58,6 +59,9 @@ class GangState:
     distributed: bool = False  # the workers joined torch.distributed (a collective can block)
     backend: str | None = None
     master_addr: str | None = None  # the rendezvous host of the current build
+    # dispatch='balance': the chunks handed out per call in flight (Dispatcher.next_chunk);
+    # cleared when a generation's workers are killed, a call dropped when it reports a failure
+    chunks: ChunkTable = field(default_factory=ChunkTable)
 
     def __post_init__(self):
         if not self.slots:

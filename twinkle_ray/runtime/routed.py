@@ -20,6 +20,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayError, RayTaskError
 
+from ..core.balance import join_items, locate_positions, take_items, total_items
 from ..core.dispatch import batch_len, collect_sources, concat, span, take
 from ..core.dispatch import collect as collect_results
 from ..core.routing import length_record, locate, plain_length, tuple_arity
@@ -209,6 +210,38 @@ class Collected:
         return self.window.apply(value, [length_record(r) for r in results])
 
 
+@dataclass
+class Placed:
+    """A routed balanced value (``dispatch='balance'``): its items lie in the producer's
+    outputs as their positions records say (resolved leading values ``position_slots`` of the
+    task). A ``window`` (slice/slice_dp consumers) is a part of the input positions; without
+    one the consumer takes the whole value. Only the outputs covering it are pulled, and the
+    items come in input order, whichever worker produced them."""
+
+    refs: list
+    producer: GangRef | None = None
+    method: str = ""
+    ranks: list | None = None
+    position_slots: tuple[int, int] = (0, 0)
+    window: Window | None = None
+
+    def materialize(self, lengths: tuple = ()) -> Any:
+        positions = list(lengths[self.position_slots[0]:self.position_slots[1]])
+        total = total_items(positions)
+        lo, hi = 0, total
+        if self.window is not None:
+            w = self.window
+            if total < w.parts:
+                raise ValueError(f"{w.where}: batch of {total} items (from {w.source}) is smaller "
+                                 f"than the data-parallel size {w.parts}")
+            lo, hi = span(total, w.parts, w.index)
+        picks = locate_positions(positions, lo, hi)
+        ks = sorted({k for k, _ in picks})
+        got = dict(zip(ks, pull([self.refs[k] for k in ks], self.producer, self.method,
+                                [self.ranks[k] if self.ranks else None for k in ks]), strict=True))
+        return join_items([take_items(got[k], a, b) for k, (a, b) in picks])
+
+
 def pull(refs: list, producer: GangRef | None, method: str, ranks: list) -> list:
     """The values of a producer's outputs in a consumer; a failed producer is named, not hidden.
 
@@ -242,7 +275,7 @@ def resolve_routed(value: Any, lengths: tuple = ()) -> Any:
     ``ray.put``, when Ray did not resolve it as a top-level argument) is
     fetched; other values pass through.
     """
-    if isinstance(value, (Pieces, Collected)):
+    if isinstance(value, (Pieces, Collected, Placed)):
         return value.materialize(lengths)
     if isinstance(value, ray.ObjectRef):
         return ray.get(value)

@@ -28,6 +28,7 @@ import ray
 
 from ..core.dispatch import worker_data_ranks
 from ..core.routing import peer_workers
+from . import balance
 from .lazy import CallOutput, GangRef, LazyResult
 from .message import WorkerCall
 from .routed import Collected, Pieces, Window
@@ -51,6 +52,7 @@ class CallPlan:
     args: list[tuple]  # per target: positional arguments (routed markers in place of LazyResults)
     kwargs: list[dict]  # per target: keyword arguments
     with_meta: bool  # the outputs need a length record (see needs_lengths)
+    balanced: bool = False  # dispatch='balance': each rank loops over chunks (runtime.balance)
 
     def messages(self, seq: int) -> list[WorkerCall]:
         """Each target's WorkerCall for gang call number ``seq``."""
@@ -140,8 +142,9 @@ class Router:
             leads.append(lead)
             argss.append(args)
             kwargss.append(kwargs)
+        balanced = dispatch == "balance"  # its positions records ride as the meta output
         return CallPlan(method, targets, leads, argss, kwargss,
-                        wait_meta or needs_lengths(collect, len(targets)))
+                        wait_meta or balanced or needs_lengths(collect, len(targets)), balanced)
 
     async def _route(self, method, args, kwargs, i, n, dispatch, routes, lengths):
         async def one(v):
@@ -173,6 +176,8 @@ class Router:
         producer = lazy.gang if lazy.gang is not None else self.own  # see sending.strip_own_gang
         if lazy.gang is not None and lazy.gang.dispatcher is not None:
             self.producers[(lazy.gang.group, lazy.gang.cls_name)] = lazy.gang.dispatcher
+        if out.balanced:  # a balanced producer: windows over input positions (runtime.balance)
+            return balance.route(lazy, out, method, n, dispatch, lengths, self.spec, producer)
         g = self.spec.group
         where, source = f"{method}() on group '{g.name}'", f"{producer.cls_name}.{lazy.method}"
         if dispatch == "slice_dp":

@@ -32,6 +32,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..core.routing import TupleLengths, length_record
+from . import balance
 from .lazy import END_OF_ITERATION
 from .message import WorkerCall
 from .metrics import GangMetrics, args_nbytes
@@ -169,10 +170,18 @@ class GangWorker:
         """
         return self._execute(WorkerCall.from_task(call, args, kwargs))
 
-    def _execute(self, call: WorkerCall) -> tuple[Any, Any]:
+    def run_balanced(self, call: tuple, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """The task form of a ``dispatch='balance'`` call: this rank's loop over the chunks the
+        dispatcher hands its data-parallel group (:func:`~twinkle_ray.runtime.balance.run_chunks`);
+        returns (its results concatenated, its positions record)."""
+        msg = WorkerCall.from_task(call, args, kwargs)
+        return self._execute(msg, invoke=lambda *a: balance.run_chunks(self, msg.seq, *a))[0]
+
+    def _execute(self, call: WorkerCall, invoke=None) -> tuple[Any, Any]:
         """Run one call on the instance; (result, meta). A failure is reported to the dispatcher
         before it is raised, so the dispatcher can tell whether peers are left stuck in a
-        collective."""
+        collective. ``invoke(instance, method, args, kwargs)``: how the method is run (default:
+        called once)."""
         method, seq = call.method, call.seq
         self.current = seq
         m, t0, nbytes, failed = self.metrics, None, 0, True
@@ -182,7 +191,10 @@ class GangWorker:
             kwargs = {k: resolve_routed(v, lead) for k, v in call.kwargs.items()}
             if m is not None:
                 nbytes, t0 = args_nbytes(args, kwargs), time.perf_counter()
-            result = getattr(self.instance, method)(*args, **kwargs)
+            if invoke is None:
+                result = getattr(self.instance, method)(*args, **kwargs)
+            else:
+                result = invoke(self.instance, method, args, kwargs)
             failed = False
         except StopIteration:
             if method == "__next__":
