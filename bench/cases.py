@@ -408,7 +408,7 @@ def _wait_gone(timeout_s: float = 30.0) -> None:
 
 # ---------------------------------------------------------------------------- B6
 def bench_scaling(cfg: Config) -> list[dict]:
-    """B6: no-op call + collect (lazy, then get) on gangs of 1..16 workers."""
+    """B6: no-op call + collect (lazy, then get) on gangs of 1..32 workers (quick: 1..8)."""
     rows = []
     for n in cfg.b6_sizes:
         gang = _gang(n, f"b6_{n}")
