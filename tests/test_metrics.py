@@ -21,6 +21,8 @@ from twinkle_ray import DeviceGroup, DeviceMesh, remote_class, remote_function
 from twinkle_ray.runtime.metrics import args_nbytes, metrics_enabled, payload_nbytes
 
 WAIT_S = 60.0
+# The worker task methods a call runs as (runtime.worker): lazy, lazy without lengths, eager.
+TASK_METHODS = {"GangWorker.run", "GangWorker.run_value", "GangWorker.run_inline"}
 LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)\{(?P<labels>.*)\} (?P<value>\S+)$')
 
 
@@ -102,14 +104,13 @@ def test_gang_metrics_reach_the_prometheus_endpoint_and_tasks_are_named(runtime,
         named = list_tasks(address=address, filters=[("name", "=", f"{label}.step")], limit=100)
         off_tasks = [t for t in list_tasks(address=address, filters=[("actor_id", "=", off_worker)],
                                            limit=100)
-                     if t["func_or_class_name"] in ("GangWorker.run", "GangWorker.run_value")]
+                     if t["func_or_class_name"] in TASK_METHODS]
         if (len(named) >= 2 * calls and len(off_tasks) >= calls) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert len(named) == 2 * calls
-    assert {t["func_or_class_name"] for t in named} <= {"GangWorker.run", "GangWorker.run_value"}
-    assert len(off_tasks) == calls and {t["name"] for t in off_tasks} <= {"GangWorker.run",
-                                                                         "GangWorker.run_value"}
+    assert {t["func_or_class_name"] for t in named} <= TASK_METHODS
+    assert len(off_tasks) == calls and {t["name"] for t in off_tasks} <= TASK_METHODS
     gang.close()
     off.close()
 

@@ -33,6 +33,8 @@ Example (what GangProxy does)::
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 from typing import Any
 
@@ -239,6 +241,7 @@ class Dispatcher:
         wait_meta: bool = False,
         turn: tuple[str, int] | None = None,
         collect: str | None = None,
+        inline: bool = False,
     ) -> tuple[CallOutput, bool]:
         """Take the call's turn, check the gang, plan the call, submit it; return the output refs
         without waiting for them, and True: a second return that tells the caller's next call
@@ -256,6 +259,9 @@ class Dispatcher:
         to see StopIteration). ``collect`` names the caller's collect mode
         (None: unknown); outputs get a length record only when routing them may
         slice by length (each record is one more ObjectRef the caller borrows).
+        ``inline``: an eager call; once its turn has ended the dispatcher awaits the outputs
+        and replies with their values (:mod:`~twinkle_ray.runtime.inline`), or with the refs
+        if a rank failed, for the caller to raise the call's error from them.
         """
         async with self.turns.turn(turn):  # 1. order
             workers = await self._running_workers()  # 2. health
@@ -265,22 +271,26 @@ class Dispatcher:
             )
             if workers is not self.state.workers:  # rebuilt while planning: the new workers
                 workers = await self._running_workers()
-            out = self._submit(plan, workers)  # 4. submit
-            self._routing().remember(turn[:2] if turn else None, out)
+            out = self._submit(plan, workers, inline)  # 4. submit
+            if not inline:  # an eager call's outputs are never routed
+                self._routing().remember(turn[:2] if turn else None, out)
+        if inline:
+            return await _values_back(out), True
         if wait_meta:
             out.ended = any(m == END_OF_ITERATION for m in await values(out.metas))
         return out, True
 
-    def _submit(self, plan: CallPlan, workers: list) -> CallOutput:
+    def _submit(self, plan: CallPlan, workers: list, inline: bool = False) -> CallOutput:
         """Send a planned call to its ranks: one actor task per target rank; takes the next
         number in the gang's one order. Returns at once with the output refs."""
         self.seq += 1
         if self.metrics is not None:
             self.metrics.called(plan.method)
-        submit = self._submitters(plan.method, plan.with_meta, workers, plan.balanced)
+        with_meta = plan.with_meta and not inline
+        submit = self._submitters(plan.method, with_meta, workers, plan.balanced, inline)
         refs, metas = [], []
         for i, msg in zip(plan.targets, plan.messages(self.seq), strict=True):
-            if plan.with_meta:
+            if with_meta:
                 payload, meta = submit[i].remote(*msg.task_args(), **msg.kwargs)
                 metas.append(meta)
             else:
@@ -297,17 +307,21 @@ class Dispatcher:
         return self.state.chunks.ask(seq, group, k, n_chunks, n_workers)
 
     # -- submitting and routing -----------------------------------------------------------------
-    def _submitters(self, method: str, with_meta: bool, workers: list, balanced: bool = False) -> list:
-        """Each worker's bound task method for ``method`` (``run`` with two returns, or
-        ``run_value``), named 'group/Class.method' for Ray's task list and timeline unless
-        metrics are off. Made once per method and set of workers: nothing per call."""
-        key = (method, with_meta, balanced)
+    def _submitters(self, method: str, with_meta: bool, workers: list, balanced: bool = False,
+                    inline: bool = False) -> list:
+        """Each worker's bound task method for ``method`` (``run`` with two returns,
+        ``run_value``, or ``run_inline`` for an eager call), named 'group/Class.method' for
+        Ray's task list and timeline unless metrics are off. Made once per method and set of
+        workers: nothing per call."""
+        key = (method, with_meta, balanced, inline)
         hit = self._bound.get(key)
         if hit is not None and hit[0] is workers:
             return hit[1]
         opts = {"name": f"{self.spec.label}.{method}"} if self.spec.metrics else {}
         if balanced:  # dispatch='balance': a chunk loop (runtime.balance), positions record back
             bound = [w.run_balanced.options(num_returns=2, **opts) for w in workers]
+        elif inline:  # a large result stays in the worker's store (runtime.inline)
+            bound = [w.run_inline.options(**opts) if opts else w.run_inline for w in workers]
         elif with_meta:
             bound = [w.run.options(num_returns=2, **opts) for w in workers]
         else:
@@ -345,3 +359,15 @@ class Dispatcher:
 
 
 RemoteDispatcher = ray.remote(Dispatcher)
+
+
+async def _values_back(out: CallOutput) -> CallOutput:
+    """An eager call's reply: its outputs' values in place of the refs once every rank has
+    answered (a large one stays a :class:`~twinkle_ray.runtime.inline.Held` ref), or the
+    refs themselves if a rank failed: the caller raises the call's error from them, as for a
+    lazy call (which rank, a death or the user's exception)."""
+    try:
+        got = await asyncio.gather(*out.refs)
+    except Exception:
+        return out
+    return dataclasses.replace(out, refs=[], values=got)

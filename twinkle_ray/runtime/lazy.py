@@ -35,6 +35,7 @@ from ray.exceptions import (
 from ..core.balance import in_input_order
 from ..core.dispatch import collect as collect_results
 from .errors import CallTimeoutError, WorkerDiedError, death_cause
+from .inline import unhold
 
 END_OF_ITERATION = "twinkle_ray:end-of-iteration"
 DEATH_QUERY_TIMEOUT_S = 5.0
@@ -57,6 +58,8 @@ class CallOutput:
     ended: bool = False  # __next__ reported exhaustion
     # dispatch='balance': metas are positions records (see runtime.balance), not lengths
     balanced: bool = False
+    # an eager call's values, in place of its refs (see runtime.inline); None: refs
+    values: list | None = None
 
 
 @dataclass(frozen=True)
@@ -293,11 +296,15 @@ class LazyResult(Pending):
             start = time.monotonic()
             out = self.plan(t)
             left = None if t is None else max(0.0, t - (time.monotonic() - start))
-            try:
-                values = fetch(out.refs, out.workers, self.gang, self.method, left, t, self._on_lost)
-            except Exception:
-                _read_quietly(out.metas)  # their copy of the error is handled too: no log noise
-                raise
+            if out.values is not None:  # an eager call answered with its values
+                values = unhold(out.values)
+            else:
+                try:
+                    values = unhold(fetch(out.refs, out.workers, self.gang, self.method, left, t,
+                                          self._on_lost))
+                except Exception:
+                    _read_quietly(out.metas)  # their copy of the error is handled too: no log noise
+                    raise
             if out.balanced:  # dispatch='balance': one list, in input order
                 positions = fetch(out.metas, out.workers, self.gang, self.method, None)
                 self._value = in_input_order(values, positions)
@@ -325,6 +332,8 @@ class LazyResult(Pending):
             except Exception:  # the call failed before it ran: finished
                 return True
         refs = [r for r in self._out.refs if isinstance(r, ray.ObjectRef)]
+        if not refs:  # an eager call's values came back with its reply
+            return True
         return len(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0]) == len(refs)
 
     def __call__(self) -> Any:

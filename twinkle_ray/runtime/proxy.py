@@ -204,12 +204,17 @@ class GangProxy:
         per_worker = strip_own_gang(put_large(per_worker), g)
         execute = "first" if self._execute == "first" else spec.execute
         caller = _caller() if execute == "peer" else None
+        eager = spec.sync or not (self._lazy_default if spec.lazy_collect is None else spec.lazy_collect)
+        # An eager call without a timeout gets its values in the dispatcher's reply (see
+        # runtime.inline); with one, its refs, so the timeout can name the late ranks.
+        inline = eager and spec.timeout is None and not wait_meta and spec.dispatch != "balance"
         try:
             with self._turn_lock:  # numbers follow submission order, also across threads
                 turn = (self._caller_id, self._next_turn)
                 plan, settled = g.dispatcher.call.remote(
                     name, per_worker, spec.dispatch, execute, caller, wait_meta,
                     (*turn, self._prev), spec.collect if isinstance(spec.collect, str) else "custom",
+                    inline,
                 )
                 self._next_turn += 1  # only a submitted call takes a turn
                 self._prev = [settled]  # not the plan: that would pin its outputs
@@ -221,8 +226,7 @@ class GangProxy:
         result = LazyResult(plan, collect=spec.collect, gang=g, method=name, timeout=spec.timeout,
                             turn=turn, on_lost=self._dispatcher_died)
         result._sent = sent_by_value(per_worker)  # to name an argument the dispatcher could not unpickle
-        lazy = self._lazy_default if spec.lazy_collect is None else spec.lazy_collect
-        if spec.sync or not lazy:
+        if eager:
             return result.get()
         return result
 

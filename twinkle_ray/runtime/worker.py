@@ -33,6 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..core.routing import TupleLengths, length_record
 from . import balance
+from .inline import hold_large
 from .lazy import END_OF_ITERATION
 from .message import WorkerCall
 from .metrics import GangMetrics, args_nbytes
@@ -216,6 +217,12 @@ class GangWorker:
     def run_value(self, call: str | tuple, *args: Any, **kwargs: Any) -> Any:
         """``run`` without the length record: for calls whose outputs are never sliced by length."""
         return self.run(call, *args, **kwargs)[0]
+
+    def run_inline(self, call: str | tuple, *args: Any, **kwargs: Any) -> Any:
+        """``run_value`` for an eager call: a large result stays in this worker's object store
+        (:func:`~twinkle_ray.runtime.inline.hold_large`), so the dispatcher, which replies with
+        the values, never holds payload."""
+        return hold_large(self.run(call, *args, **kwargs)[0])
 
     def _report(self, seq: int | None, method: str, error: BaseException) -> None:
         d = self.info.dispatcher
