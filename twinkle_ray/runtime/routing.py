@@ -208,8 +208,9 @@ class Router:
         slots = (len(lengths), len(lengths) + k)
         lengths.extend(out.metas[:k])
         aligned = k == n == parts and not as_list  # output i is worker i's slice if lengths are even
-        if aligned:  # the refs travel as one object, fetched only if lengths are uneven
-            held = ray.put(refs)
+        if aligned:  # the refs travel as one object, fetched only if lengths are uneven: the
+            # producer's plan, which its caller owns (no put here), or a put of them if unknown
+            held = lazy._plan_ref if lazy._plan_ref is not None else ray.put(refs)
             return [
                 Pieces(None, **common, length_slots=slots,
                        window=Window(parts, index[i], where, source), aligned=i,
