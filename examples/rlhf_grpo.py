@@ -28,6 +28,7 @@ metrics.
     python examples/rlhf_grpo.py --quick         # 20 steps, larger learning rate
     python examples/rlhf_grpo.py --ray-data      # prompts from a Ray Data dataset
     python examples/rlhf_grpo.py --async 1       # generation of step k+1 overlaps training of step k
+    python examples/rlhf_grpo.py --quick --long-tail --balance 1   # long-tailed generation, balanced
     python examples/rlhf_grpo.py --chaos         # SIGKILL a trainer/sampler worker every 5 steps
     python examples/rlhf_grpo.py --checkpoint-dir /tmp/grpo   # a checkpoint every 5 steps
     python examples/rlhf_grpo.py --checkpoint-dir /tmp/grpo --resume   # after the driver died
@@ -38,8 +39,10 @@ PNG when matplotlib is installed). The last line is ``RESULT {json}``:
 ``steps``, ``resumed_from`` (the checkpoint's step, or null), ``rewards`` (the
 mean reward of every step of the run, those before a resume included),
 ``policy_versions`` (per step, the policy version the samples were drawn
-with; the trainer is at version ``step - 1`` when it trains on them) and
-``step_s`` (seconds per step).
+with; the trainer is at version ``step - 1`` when it trains on them),
+``step_s`` (seconds per step) and ``gen_s`` (per step, the seconds of its
+generate call in the sampler gang: from the first sampler starting it to the
+last one finishing it).
 
 ``--async N`` runs N-step off-policy (N >= 1): generation of step k+N is
 submitted before training step k, and the weight sync of step k follows both
@@ -47,6 +50,15 @@ without blocking the driver (``sync_weights(..., wait=False)`` takes its place
 in both gangs' call order). The samplers generate while the trainer trains;
 each step trains on samples N versions old (fewer while the pipeline fills),
 and the GRPO ratio uses the sampler's own (behaviour) log-probs.
+
+``--long-tail [S]`` makes generation long-tailed: each prompt also takes S
+seconds (0.01) times a simulated length (Pareto, alpha 1.2, fixed per prompt:
+most prompts short, a few 10-50x the median), as real generation lengths are.
+With ``slice_dp`` a step waits for the sampler that drew the long prompts;
+``--balance [CHUNK]`` hands chunks of CHUNK prompts (default: the library's
+choice) to whichever sampler is free (``dispatch='balance'``), and ``gen_s``
+shows the difference. Both work with and without ``--async N`` (the balanced
+generation of step k+N is then in flight while step k trains).
 
 ``--checkpoint-dir DIR`` saves a checkpoint every ``--checkpoint-every`` steps
 and after the last: ``DIR/step-000010/`` holds every trainer rank's model
@@ -151,18 +163,36 @@ def make_prompts(n: int, seed: int) -> list[list[int]]:
 class Sampler(WeightSyncMixin):
     """Generates group_size answers per prompt with the latest synced weights."""
 
-    def __init__(self, device_mesh: DeviceMesh, group_size: int, seed: int):
+    def __init__(self, device_mesh: DeviceMesh, group_size: int, seed: int, long_tail_s: float = 0.0):
         self.model = Policy().eval()
         self.model.version.fill_(-1)  # no weights synced yet
         self.group_size = group_size
         self.gen = torch.Generator().manual_seed(seed * 1000 + twinkle.get_rank())
+        self.long_tail_s = long_tail_s  # --long-tail: seconds per unit of simulated length
+        self.spans: dict = {}  # tag -> [start, end] (time.time()) of the generate calls made with it
 
     @remote_function(dispatch="slice_dp", collect="flatten")
-    def generate(self, prompts: list) -> dict:
+    def generate(self, prompts: list, tag: int | None = None) -> dict:
+        """group_size answers per prompt, as rows; ``tag`` names the call in :meth:`generate_spans`."""
+        return self.rollout(prompts, tag)
+
+    def rollout(self, prompts: list, tag: int | None) -> dict:
+        start = time.time()
         p = torch.tensor(prompts, dtype=torch.long).repeat_interleave(self.group_size, dim=0)
         answers, logp = self.model.generate(p, self.gen)
         version = np.full(len(p), int(self.model.version))
+        if self.long_tail_s:  # --long-tail: each prompt takes as long as its simulated length
+            time.sleep(sum(simulated_length(q) for q in prompts) * self.long_tail_s)
+        if tag is not None:
+            span = self.spans.setdefault(tag, [start, start])
+            span[1] = time.time()
         return {"prompt": p.numpy(), "answer": answers.numpy(), "logp": logp.numpy(), "version": version}
+
+    @remote_function(dispatch="all", collect="none")
+    def generate_spans(self) -> dict:
+        """Every rank: {tag: [start, end]} of its tagged generate calls since the last ask."""
+        spans, self.spans = self.spans, {}
+        return spans
 
     # A checkpoint keeps the sampling stream (the weights come back with the next sync).
     def state_dict(self) -> dict:
@@ -175,6 +205,66 @@ class Sampler(WeightSyncMixin):
     def load_rank_state(self, path: str) -> None:
         """Load this rank's file of a ``save_state(path)`` (resuming from a checkpoint)."""
         load_rank_file(self, path)
+
+
+def simulated_length(prompt: list[int]) -> float:
+    """A long-tailed generation length for ``prompt`` (Pareto, alpha 1.2: mean 6, a few
+    prompts 10-50x the median), fixed per prompt: the workload of ``--long-tail``.
+
+    >>> simulated_length([1, 2, 3, 4, 5, 6]) == simulated_length([1, 2, 3, 4, 5, 6]) >= 1.0
+    True
+    """
+    seed = int("".join(str(int(d)) for d in prompt))
+    return float(np.random.default_rng(seed).pareto(1.2) + 1.0)
+
+
+def balanced_sampler(cls: type, chunk: int | None) -> type:
+    """``cls`` plus a generation that hands prompts to whichever sampler is free (``--balance``):
+    ``generate_grouped`` runs with ``dispatch='balance'`` and ``chunk_size=chunk`` prompts (None:
+    the library's choice). A balanced method returns one result per input item, so it returns
+    each prompt's group_size answers as one item (arrays [prompts, group_size, ...]); ``rows``
+    (``slice_dp``, in the sampler gang) makes them the rows the reward and the trainer take::
+
+        sampler = balanced_sampler(Sampler, 1)(mesh, 8, 0, remote_group="sampler")
+        rollouts = sampler.rows(sampler.generate_grouped(prompts))
+    """
+
+    @remote_class()
+    class BalancedSampler(cls):
+        @remote_function(dispatch="balance", collect="flatten", chunk_size=chunk)
+        def generate_grouped(self, prompts: list, tag: int | None = None) -> dict:
+            out = self.rollout(prompts, tag)
+            return {k: v.reshape(len(prompts), self.group_size, *v.shape[1:]) for k, v in out.items()}
+
+        @remote_function(dispatch="slice_dp", collect="flatten")
+        def rows(self, grouped: dict) -> dict:
+            return {k: v.reshape(-1, *v.shape[2:]) for k, v in grouped.items()}
+
+    BalancedSampler.__name__ = BalancedSampler.__qualname__ = f"{cls.__name__}Balanced"
+    return BalancedSampler
+
+
+def generate(sampler, prompts, balance: bool, tag: int | None = None):
+    """Rollouts of a batch (a LazyResult): per data rank (``slice_dp``), or balanced (``--balance``):
+    each prompt's answers then come back as one item and are made rows again in the sampler gang
+    (lazily: nothing passes through the driver)."""
+    if not balance:
+        return sampler.generate(prompts, tag)
+    return sampler.rows(sampler.generate_grouped(prompts, tag))
+
+
+def gen_seconds(spans: list[dict], tags: list) -> list[float]:
+    """Per tag, the seconds of its generate call over the gang: from the first rank's start to
+    the last rank's end (``spans``: every rank's :meth:`Sampler.generate_spans`).
+
+    >>> gen_seconds([{1: [10.0, 12.0]}, {1: [10.5, 13.0], 2: [14.0, 15.0]}], [1, 2])
+    [3.0, 1.0]
+    """
+    out = []
+    for tag in tags:
+        mine = [s[tag] for s in spans if tag in s]
+        out.append(max(e for _, e in mine) - min(b for b, _ in mine) if mine else float("nan"))
+    return out
 
 
 @remote_class()
@@ -311,8 +401,10 @@ def prompts_of(rows: list[dict]) -> list:
 
 
 def build(*, lr: float, batch_size: int, group_size: int, entropy_coef: float, seed: int,
-          num_prompts: int, ray_data: bool, chaos: bool = False, max_staleness: int = 0):
-    """The four gangs: (loader, sampler, reward, trainer); with ``chaos`` the self-rebuilding ones."""
+          num_prompts: int, ray_data: bool, chaos: bool = False, max_staleness: int = 0,
+          balance: bool = False, chunk: int | None = None, long_tail_s: float = 0.0):
+    """The four gangs: (loader, sampler, reward, trainer); with ``chaos`` the self-rebuilding ones,
+    with ``balance`` a sampler that also generates balanced (:func:`balanced_sampler`)."""
     sampler_mesh = DeviceMesh.from_sizes(dp_size=2, device_type="cpu")
     trainer_mesh = DeviceMesh.from_sizes(dp_size=2, device_type="cpu")
     if ray_data:
@@ -322,7 +414,9 @@ def build(*, lr: float, batch_size: int, group_size: int, entropy_coef: float, s
     loader = DataLoader(source, batch_size=batch_size, device_mesh=sampler_mesh, shuffle=True, seed=seed,
                         collate_fn=collate, remote_group="data")
     sampler_cls, trainer_cls = (ChaosSampler, ChaosTrainer) if chaos else (Sampler, Trainer)
-    sampler = sampler_cls(sampler_mesh, group_size, seed, remote_group="sampler")
+    if balance:  # --balance [CHUNK]
+        sampler_cls = balanced_sampler(sampler_cls, chunk)
+    sampler = sampler_cls(sampler_mesh, group_size, seed, long_tail_s, remote_group="sampler")
     reward = Reward(group_size, remote_group="reward")
     trainer = trainer_cls(trainer_mesh, lr, entropy_coef, max_staleness=max_staleness, remote_group="trainer")
     return loader, sampler, reward, trainer
@@ -331,21 +425,27 @@ def build(*, lr: float, batch_size: int, group_size: int, entropy_coef: float, s
 def run(steps: int = 100, *, lr: float = 0.005, batch_size: int = 16, group_size: int = 8,
         entropy_coef: float = 0.05, seed: int = 0, num_prompts: int = 4096, ray_data: bool = False,
         checkpoint_dir: str | None = None, checkpoint_every: int = 5, resume: bool = False,
-        async_steps: int = 0, log=print) -> dict:
+        async_steps: int = 0, balance: bool = False, chunk: int | None = None, long_tail_s: float = 0.0,
+        log=print) -> dict:
     """Train for ``steps`` steps; returns {'rewards': [...], 'sync': [SyncStats...], 'seconds': s,
     'resumed_from': step or None, 'checkpoints': [steps saved], 'policy_versions': [...],
-    'step_s': [...]}.
+    'step_s': [...], 'gen_s': [...]}.
 
     With ``checkpoint_dir``, a checkpoint is saved every ``checkpoint_every``
     steps and after the last one (see examples/checkpointing.py); with
     ``resume``, the run continues after the newest complete checkpoint there
     (``rewards`` then holds the whole run, the steps before the resume included).
     ``async_steps`` N > 0: N-step off-policy (see the module docstring; not
-    with checkpoints). Needs ``twinkle.initialize`` (with :func:`groups`) first.
+    with checkpoints). ``balance``: generation with ``dispatch='balance'`` (``chunk`` prompts
+    per chunk); ``long_tail_s``: each prompt's generation also sleeps its simulated length times
+    this. ``gen_s``: per step, the seconds of its generate call in the sampler gang (read from
+    the samplers after the last step, so the driver never waits on a generation for it).
+    Needs ``twinkle.initialize`` (with :func:`groups`) first.
     """
     loader, sampler, reward, trainer = build(
         lr=lr, batch_size=batch_size, group_size=group_size, entropy_coef=entropy_coef, seed=seed,
-        num_prompts=num_prompts, ray_data=ray_data, max_staleness=async_steps)
+        num_prompts=num_prompts, ray_data=ray_data, max_staleness=async_steps, balance=balance,
+        chunk=chunk, long_tail_s=long_tail_s)
     ckpt, latest = checkpointing.open_checkpoints(checkpoint_dir, resume)
     saved_gangs = {"trainer": trainer, "sampler": sampler}
     rewards, syncs, saves, first_step = [], [], [], 1
@@ -366,7 +466,7 @@ def run(steps: int = 100, *, lr: float = 0.005, batch_size: int = 16, group_size
     for step in range(first_step, steps + 1):
         while made <= min(step + async_steps, steps):  # --async N: generation runs N steps ahead
             prompts = next(batches)                   # LazyResult in the loader's worker
-            rollouts = sampler.generate(prompts)      # each sampler pulls its half
+            rollouts = generate(sampler, prompts, balance, tag=made)   # each sampler pulls its prompts
             ahead.append((rollouts, reward.score(rollouts)))   # rollouts go sampler -> reward directly
             made += 1
         rollouts, scores = ahead.pop(0)
@@ -391,9 +491,11 @@ def run(steps: int = 100, *, lr: float = 0.005, batch_size: int = 16, group_size
             log(f"checkpoint: step {step} saved in {path} ({time.perf_counter() - t1:.2f}s)")
             t0 = time.perf_counter()
     syncs = [twinkle.get(h) for h in handles]
-    return {"rewards": rewards, "sync": syncs, "seconds": time.perf_counter() - start,
+    seconds = time.perf_counter() - start
+    gen_s = gen_seconds(sampler.generate_spans()(), list(range(first_step, steps + 1)))
+    return {"rewards": rewards, "sync": syncs, "seconds": seconds,
             "resumed_from": latest.step if latest is not None else None, "checkpoints": saves,
-            "policy_versions": versions, "step_s": step_s}
+            "policy_versions": versions, "step_s": step_s, "gen_s": gen_s}
 
 
 def step_line(step: int, steps: int, metrics: dict, stats, seconds: float) -> str:
@@ -847,8 +949,20 @@ def main(argv: list[str] | None = None) -> int:
                              "rebuilt on the remaining capacity and the loop redoes the step")
     parser.add_argument("--plot", default=os.path.join(tempfile.gettempdir(), "rlhf_grpo_reward.png"),
                         help="where to save the PNG (when matplotlib is installed)")
+    parser.add_argument("--balance", nargs="?", const="auto", default=None, metavar="CHUNK",
+                        help="generate with dispatch='balance': chunks of CHUNK prompts go to whichever "
+                             "sampler is free (no CHUNK: the library picks the size)")
+    parser.add_argument("--long-tail", nargs="?", type=float, const=0.01, default=0.0, metavar="S",
+                        help="each prompt's generation also sleeps S seconds (default 0.01) per unit of "
+                             "a long-tailed simulated length (Pareto 1.2, mean 6): where --balance pays")
     add_checkpoint_args(parser)
     args = parser.parse_args(argv)
+    if args.balance not in (None, "auto") and not (args.balance.isdigit() and int(args.balance) > 0):
+        parser.error(f"--balance takes a positive chunk size, got {args.balance!r}")
+    if (args.balance is not None or args.long_tail) and (args.chaos or args.chaos_nodes):
+        parser.error("--balance/--long-tail go with the plain loop (no --chaos or --chaos-nodes)")
+    if args.long_tail < 0:
+        parser.error("--long-tail must be >= 0")
     if args.chaos and (args.checkpoint_dir or args.resume):
         parser.error("--checkpoint-dir/--resume go with the plain loop, not with --chaos")
     if args.async_steps < 0:
@@ -876,7 +990,10 @@ def main(argv: list[str] | None = None) -> int:
             out = run_chaos(steps, kill_every=args.kill_every, lr=lr, seed=args.seed, ray_data=args.ray_data)
         else:
             out = run(steps, lr=lr, seed=args.seed, ray_data=args.ray_data, checkpoint_dir=args.checkpoint_dir,
-                      checkpoint_every=args.checkpoint_every, resume=args.resume, async_steps=args.async_steps)
+                      checkpoint_every=args.checkpoint_every, resume=args.resume, async_steps=args.async_steps,
+                      balance=args.balance is not None,
+                      chunk=None if args.balance in (None, "auto") else int(args.balance),
+                      long_tail_s=args.long_tail)
     finally:
         twinkle.shutdown()
     rewards = out["rewards"]
@@ -886,6 +1003,9 @@ def main(argv: list[str] | None = None) -> int:
     k = max(1, min(5, len(rewards) // 4))
     print(f"mean reward: first {k} steps {np.mean(rewards[:k]):.3f} -> last {k} steps "
           f"{np.mean(rewards[-k:]):.3f}  ({len(syncs)} steps in {out['seconds']:.1f}s)")
+    if out.get("gen_s"):
+        print(f"generation: mean {np.mean(out['gen_s']):.3f}s per step, max {np.max(out['gen_s']):.3f}s "
+              f"({'balanced' if args.balance is not None else 'slice_dp'})")
     if syncs:
         mb = syncs[-1].bytes / 1e6
         rate = np.mean([s.gb_per_s for s in syncs])
@@ -897,7 +1017,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"steps": len(rewards), "resumed_from": out.get("resumed_from"), "rewards": rewards,
               "checkpoints": out.get("checkpoints", []), "seconds": out["seconds"],
               "async": args.async_steps, "policy_versions": out.get("policy_versions", []),
-              "step_s": out.get("step_s", [])}
+              "step_s": out.get("step_s", []), "balance": args.balance, "gen_s": out.get("gen_s", [])}
     print("RESULT " + json.dumps(result), flush=True)  # the last line (before the chaos: line with --chaos)
     if not args.chaos:
         return 0

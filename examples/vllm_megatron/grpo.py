@@ -8,6 +8,7 @@
     .venv/bin/python examples/vllm_megatron/grpo.py --device cpu --quick
     .venv/bin/python examples/vllm_megatron/grpo.py --device cpu --quick --pp 2
     .venv/bin/python examples/vllm_megatron/grpo.py --device cpu --quick --async 1   # overlapped
+    .venv/bin/python examples/vllm_megatron/grpo.py --device cpu --quick --balance 2 --long-tail
     python examples/vllm_megatron/grpo.py --device cuda              # the same script on 2 + 2 GPUs
     ray job submit --working-dir . -- python examples/vllm_megatron/grpo.py --device cpu --quick
 
@@ -24,7 +25,9 @@ or the run fails. At the end the trainer writes an HF checkpoint, which is
 loaded back with ``from_pretrained`` and scored greedily. The last line is
 ``RESULT {json}``; ``policy_versions`` says, per step, which trainer version
 the samples came from (the trainer is at version ``step - 1`` when it trains
-on them) and ``step_s`` the seconds of every step.
+on them), ``step_s`` the seconds of every step and ``gen_s`` the seconds of
+every step's generate call in the sampler gang (from the first engine starting
+it to the last one finishing it).
 
 ``--async N`` (N-step off-policy): generation of step k+N is submitted before
 training step k, and the weight sync of step k follows both without blocking
@@ -33,6 +36,15 @@ call order), so the engines generate while Megatron trains. The GRPO ratio
 uses the engines' own (behaviour) log-probs. The probe check runs after each
 sync on both gangs in their call order, so it compares the engines with the
 trainer at the version the engines then hold.
+
+``--balance [CHUNK]`` generates with ``dispatch='balance'``: chunks of CHUNK
+prompts go to whichever engine is free (``vllm_sampler.balanced_sampler``; no
+CHUNK: the library's choice), with or without ``--async N``. ``--long-tail``
+adds, after training, one generation of a long-tailed prompt set (per-prompt
+``max_tokens``: ``--digits`` times a Pareto(1.2) draw, at most 48), timed per
+data rank (``slice_dp``) and, with ``--balance``, balanced, on the same
+weights and prompts (``long_tail`` in the RESULT). The training prompts are
+not long-tailed: every answer is ``--digits`` tokens, as the reward wants.
 """
 
 from __future__ import annotations
@@ -63,7 +75,12 @@ from examples.vllm_megatron.tiny_llama import (  # noqa: E402
     save_tiny_llama,
     score_text,
 )
-from examples.vllm_megatron.vllm_sampler import VLLMSampler, check_model  # noqa: E402
+from examples.vllm_megatron.vllm_sampler import (  # noqa: E402
+    VLLMSampler,
+    balanced_sampler,
+    check_model,
+    gen_seconds,
+)
 from twinkle_ray import DeviceGroup, DeviceMesh, remote_class, remote_function  # noqa: E402
 from twinkle_ray.data import DataLoader  # noqa: E402
 from twinkle_ray.weights import sync_weights  # noqa: E402
@@ -128,7 +145,8 @@ def build(model: str, sampler_mesh: DeviceMesh, trainer_mesh: DeviceMesh, args) 
     loader = DataLoader(functools.partial(make_prompts, args.num_prompts, args.digits, args.seed),
                         batch_size=args.batch_size, device_mesh=sampler_mesh, shuffle=True, seed=args.seed,
                         remote_group="data")
-    sampler = VLLMSampler(model, device_mesh=sampler_mesh, n=args.group_size, temperature=1.0,
+    sampler_cls = VLLMSampler if args.balance is None else balanced_sampler(balance_chunk(args))  # --balance
+    sampler = sampler_cls(model, device_mesh=sampler_mesh, n=args.group_size, temperature=1.0,
                           max_tokens=args.digits, min_tokens=args.digits, ignore_eos=True, dtype="float32",
                           max_model_len=64, max_num_seqs=args.batch_size * args.group_size, seed=args.seed,
                           cache_dir=args.cache_dir, remote_group="sampler")
@@ -136,6 +154,41 @@ def build(model: str, sampler_mesh: DeviceMesh, trainer_mesh: DeviceMesh, args) 
                               clip=0.2, entropy_coef=args.entropy_coef, seed=args.seed, remote_group="trainer")
     return {"loader": loader, "sampler": sampler, "reward": DigitReward(args.group_size, remote_group="reward"),
             "trainer": trainer}
+
+
+def balance_chunk(args) -> int | None:
+    """--balance's chunk size (None: the library's choice)."""
+    return None if args.balance in (None, "auto") else int(args.balance)
+
+
+def generate(sampler, prompts, balance: bool, tag=None):
+    """The rollouts of a batch (a LazyResult), per data rank (``slice_dp``) or, with ``--balance``,
+    chunks of prompts to whichever engine is free: each prompt's rows then come back as one item
+    and are made rows again in the sampler gang (lazily: nothing passes through the driver)."""
+    if not balance:
+        return sampler.generate(prompts, tag)
+    return sampler.rows(sampler.generate_grouped(prompts, tag))
+
+
+def long_tail_prompts(n: int, digits: int, seed: int, cap: int = 48) -> list[dict]:
+    """A long-tailed prompt set: each prompt's ``max_tokens`` is ``digits`` times a Pareto(1.2)
+    draw (most short, a few 10x; at most ``cap``), as generation lengths are in RLHF."""
+    lengths = np.minimum(cap, np.round(digits * (np.random.default_rng(seed).pareto(1.2, n) + 1)))
+    return [{"prompt": p, "max_tokens": int(m)} for p, m in
+            zip(make_prompts(n, digits, seed), lengths, strict=True)]
+
+
+def long_tail_step(sampler, args) -> dict:
+    """--long-tail: one generation of a long-tailed prompt set per data rank (slice_dp) and, with
+    --balance, one balanced; the seconds of each in the sampler gang (the weights are not changed)."""
+    prompts = long_tail_prompts(args.batch_size, args.digits, args.seed + 7)
+    modes = [("slice_dp_s", False)] + ([("balance_s", True)] if args.balance is not None else [])
+    for name, balance in modes:
+        generate(sampler, prompts, balance, tag=name)
+    spans = sampler.generate_spans()()  # after both, in the sampler gang's order
+    names = [name for name, _ in modes]
+    return {"max_tokens": [p["max_tokens"] for p in prompts], **dict(zip(names, gen_seconds(spans, names),
+                                                                         strict=True))}
 
 
 def probe_batch(sampler, digits: int, seed: int, rows: int = 8) -> list[dict]:
@@ -165,9 +218,12 @@ def timed_sync(trainer, sampler) -> dict:
     return sync_info(stats, time.perf_counter() - t0)
 
 
-def train(gangs: dict, probe: list[dict], steps: int, max_gap: float, async_steps: int = 0, log=print) -> dict:
+def train(gangs: dict, probe: list[dict], steps: int, max_gap: float, async_steps: int = 0,
+          balance: bool = False, log=print) -> dict:
     """``steps`` GRPO steps; ``async_steps`` N > 0: generation runs N steps ahead of training and the
-    sync does not block the driver (see the module docstring)."""
+    sync does not block the driver (see the module docstring); ``balance``: generation with
+    ``dispatch='balance'``. ``gen_s`` (per step, its generate call's seconds in the sampler gang) is
+    read from the engines after the last step, so the driver never waits on a generation for it."""
     sampler, reward, trainer = gangs["sampler"], gangs["reward"], gangs["trainer"]
     history, syncs, gaps, versions, step_s = [], [], [], [], []
     batches = endless(gangs["loader"])
@@ -194,7 +250,7 @@ def train(gangs: dict, probe: list[dict], steps: int, max_gap: float, async_step
     for step in range(1, steps + 1):
         while made <= min(step + async_steps, steps):   # --async N: generation runs N steps ahead
             prompts = next(batches)                       # stays in the loader's worker
-            rollouts = sampler.generate(prompts)          # each engine pulls its half
+            rollouts = generate(sampler, prompts, balance, tag=made)   # each engine pulls its prompts
             ahead.append((rollouts, reward.score(rollouts), synced))   # sampler -> reward directly
             made += 1
         rollouts, scores, version = ahead.pop(0)
@@ -219,8 +275,10 @@ def train(gangs: dict, probe: list[dict], steps: int, max_gap: float, async_step
             finish(checks.pop(0))
     while checks:
         finish(checks.pop(0))
-    return {"history": history, "sync": syncs, "gaps": gaps, "seconds": time.perf_counter() - start,
-            "policy_versions": versions, "step_s": step_s}
+    seconds = time.perf_counter() - start
+    gen_s = gen_seconds(sampler.generate_spans()(), list(range(1, steps + 1)))
+    return {"history": history, "sync": syncs, "gaps": gaps, "seconds": seconds,
+            "policy_versions": versions, "step_s": step_s, "gen_s": gen_s}
 
 
 def evaluate_checkpoint(path: str, digits: int, n: int = 200, seed: int = 12345) -> float:
@@ -264,7 +322,16 @@ def parse(argv: list[str] | None):
     p.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "twinkle_vllm_cache"),
                    help="vLLM's caches and sockets (kept between runs: the model-inspection cache saves "
                         "a subprocess at every engine start)")
-    return p.parse_args(argv)
+    p.add_argument("--balance", nargs="?", const="auto", default=None, metavar="CHUNK",
+                   help="generate with dispatch='balance': chunks of CHUNK prompts go to whichever engine "
+                        "is free (no CHUNK: the library picks the size)")
+    p.add_argument("--long-tail", action="store_true",
+                   help="after training, time one generation of a long-tailed prompt set (per-prompt "
+                        "max_tokens, Pareto 1.2): slice_dp, and balanced with --balance")
+    args = p.parse_args(argv)
+    if args.balance not in (None, "auto") and not (args.balance.isdigit() and int(args.balance) > 0):
+        p.error(f"--balance takes a positive chunk size, got {args.balance!r}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,8 +370,12 @@ def main(argv: list[str] | None = None) -> int:
         probe = probe_batch(gangs["sampler"], args.digits, args.seed)
         gap0 = logprob_gap(gangs["sampler"], gangs["trainer"], probe)
         print(f"probe batch: {len(probe)} sequences; initial log-prob gap {gap0:.1e}")
-        out = train(gangs, probe, steps, args.max_gap, args.async_steps)
+        out = train(gangs, probe, steps, args.max_gap, args.async_steps, balance=args.balance is not None)
         phases["train_s"] = out["seconds"]
+        long_tail = long_tail_step(gangs["sampler"], args) if args.long_tail else None
+        if long_tail:
+            print("long-tailed step: " + ", ".join(f"{k} {v:.2f}s" for k, v in long_tail.items()
+                                                   if k.endswith("_s")))
         ckpt = os.path.join(args.out_dir, "checkpoint")
         t0 = time.perf_counter()
         gangs["trainer"].save_hf(ckpt)()
@@ -347,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
                         "trainer": [r["peak_rss_mb"] for r in report],
                         "driver": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
         **phases, "total_s": time.perf_counter() - t_start, "checkpoint": ckpt,
+        "balance": args.balance, "gen_s": out["gen_s"], "gen_s_mean": float(np.mean(out["gen_s"])),
+        "long_tail": long_tail,
     }
     print("RESULT " + json.dumps(result))
     return 0

@@ -175,11 +175,13 @@ class VLLMSampler(WeightSyncMixin):
             **memory, **engine_kwargs)
         self.engine_s = time.perf_counter() - t1
         extra = {} if top_k is None else {"top_k": top_k}
-        self.params = vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                          min_tokens=min_tokens, ignore_eos=ignore_eos, logprobs=0, **extra)
+        self.sampling = dict(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                             min_tokens=min_tokens, ignore_eos=ignore_eos, logprobs=0, **extra)
+        self.params = vllm.SamplingParams(**self.sampling)
         self.probe_params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         self.tp = tp
         self.totals = {"calls": 0, "prompts": 0, "tokens": 0, "seconds": 0.0}
+        self.spans: dict = {}  # tag -> [start, end] (time.time()) of the generate calls made with it
 
     @staticmethod
     def _tensor_parallel_size(mesh: DeviceMesh, asked: int | None, cpu: bool) -> int:
@@ -200,18 +202,24 @@ class VLLMSampler(WeightSyncMixin):
 
     # -- sampling -------------------------------------------------------------------------------
     @remote_function(dispatch="slice_dp", collect="flatten")
-    def generate(self, prompts: list) -> list[dict]:
+    def generate(self, prompts: list, tag: Any = None) -> list[dict]:
         """``n`` completions per prompt, grouped by prompt (``n`` consecutive rows each).
 
         ``prompts``: strings, or dicts with ``prompt`` (text) or ``prompt_ids`` (token ids); a
-        dict's other keys are copied into its rows. Each row: the prompt's keys and
+        dict's other keys are copied into its rows, and its ``max_tokens`` (if any) bounds its
+        completions (a long-tailed prompt set). Each row: the prompt's keys and
         ``prompt_ids``, ``completion_ids``, ``logprobs`` (the sampler's log-prob of each
-        completion token: raw log-softmax of the logits), ``text``.
+        completion token: raw log-softmax of the logits), ``text``. ``tag`` names the call in
+        :meth:`generate_spans`.
         """
+        start = time.time()
         rows = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
         reqs = [{"prompt_token_ids": list(r["prompt_ids"])} if "prompt_ids" in r else r["prompt"] for r in rows]
+        params = self.params
+        if any("max_tokens" in r for r in rows):  # per prompt
+            params = [self._params_for(r.get("max_tokens")) for r in rows]
         t0 = time.perf_counter()
-        outs = self.llm.generate(reqs, self.params, use_tqdm=False)
+        outs = self.llm.generate(reqs, params, use_tqdm=False)
         dt = time.perf_counter() - t0
         rollouts = []
         for row, out in zip(rows, outs, strict=True):
@@ -223,7 +231,26 @@ class VLLMSampler(WeightSyncMixin):
         self.totals["prompts"] += len(rows)
         self.totals["tokens"] += sum(len(r["completion_ids"]) for r in rollouts)
         self.totals["seconds"] += dt
+        if tag is not None:
+            span = self.spans.setdefault(tag, [start, start])
+            span[1] = time.time()
         return rollouts
+
+    def _params_for(self, max_tokens: int | None) -> Any:
+        if max_tokens is None:
+            return self.params
+        import vllm
+
+        m = int(max_tokens)
+        return vllm.SamplingParams(**{**self.sampling, "max_tokens": m,
+                                      "min_tokens": min(self.sampling["min_tokens"], m)})
+
+    @remote_function(dispatch="all", collect="none")
+    def generate_spans(self) -> dict:
+        """Every engine: {tag: [start, end]} (``time.time()``) of its tagged generate calls since
+        the last ask (a balanced call's chunks make one span)."""
+        spans, self.spans = self.spans, {}
+        return spans
 
     @remote_function(dispatch="all", collect="none")
     def probe_logprobs(self, probe: list[dict]) -> list[list[float]]:
@@ -300,3 +327,47 @@ class VLLMSampler(WeightSyncMixin):
             self.llm.shutdown_weight_transfer_engine()
             return [None] * self.tp
         raise ValueError(f"VLLMSampler: unknown weight-sync operation {op!r}")
+
+
+# ------------------------------------------------------------------------------ --balance
+def balanced_sampler(chunk: int | None, base: type = VLLMSampler) -> type:
+    """``base`` plus ``generate_grouped``: the same generation with ``dispatch='balance'``
+    (chunks of ``chunk`` prompts, None: the library's choice, go to whichever engine is
+    free), and ``rows``, which flattens its per-prompt groups back into rows.
+
+    A balanced method returns one result per input item: ``generate_grouped`` returns each
+    prompt's ``n`` rows as one item (a list), in prompt order whichever engine ran it;
+    ``sampler.rows(grouped)`` (``slice_dp``, lazily, in the sampler gang) gives what
+    ``generate`` gives::
+
+        sampler = balanced_sampler(1)(model, device_mesh=mesh, remote_group="sampler")
+        rollouts = sampler.rows(sampler.generate_grouped(prompts))
+    """
+
+    @remote_class(distributed=False)
+    class BalancedVLLMSampler(base):
+        @remote_function(dispatch="balance", collect="flatten", chunk_size=chunk)
+        def generate_grouped(self, prompts: list, tag: Any = None) -> list[list[dict]]:
+            rows = base.generate.fn(self, prompts, tag)
+            n = self.sampling["n"]
+            return [rows[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+        @remote_function(dispatch="slice_dp", collect="flatten")
+        def rows(self, grouped: list) -> list[dict]:
+            return [row for group in grouped for row in group]
+
+    return BalancedVLLMSampler
+
+
+def gen_seconds(spans: list[dict], tags: list) -> list[float]:
+    """Per tag, the seconds of its generate call over the gang: from the first engine's start
+    to the last engine's end (``spans``: every engine's :meth:`VLLMSampler.generate_spans`).
+
+    >>> gen_seconds([{1: [10.0, 12.0]}, {1: [10.5, 13.0], 2: [14.0, 15.0]}], [1, 2])
+    [3.0, 1.0]
+    """
+    out = []
+    for tag in tags:
+        mine = [s[tag] for s in spans if tag in s]
+        out.append(max(e for _, e in mine) - min(b for b, _ in mine) if mine else float("nan"))
+    return out

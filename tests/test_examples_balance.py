@@ -1,0 +1,170 @@
+"""The examples' ``--balance [CHUNK]`` (issue 26 item 3): generation with dispatch='balance'.
+
+- the helpers: a step's generate span over the gang, the long-tailed workloads, the flags;
+- slow tier: examples/rlhf_grpo.py --quick --balance 1 --long-tail learns and reports gen_s per step;
+  --balance with --async 1 keeps the staleness exactly one version; examples/vllm_megatron/grpo.py
+  --quick --balance 2 --long-tail learns with the engines matching the trainer within 1e-4 after
+  every sync, and times the long-tailed step per data rank and balanced.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import twinkle_ray
+from conftest import leftovers
+from conftest import load_example as _load_example
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "rlhf_grpo.py"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def load_example():
+    return _load_example(EXAMPLE, "rlhf_grpo_example")
+
+
+# ------------------------------------------------------------------------------ helpers (fast)
+def test_gen_seconds_spans_from_the_first_start_to_the_last_end():
+    example = load_example()
+    spans = [{1: [10.0, 12.0], 2: [14.0, 14.5]}, {1: [10.5, 13.0]}, {}]  # rank 2 ran no chunk
+    assert example.gen_seconds(spans, [1, 2]) == [3.0, 0.5]
+    assert np.isnan(example.gen_seconds(spans, [3])[0])  # a tag no rank saw
+
+
+def test_simulated_lengths_are_fixed_per_prompt_and_long_tailed():
+    example = load_example()
+    prompts = example.make_prompts(256, seed=0)
+    lengths = np.array([example.simulated_length(p) for p in prompts])
+    assert lengths.tolist() == [example.simulated_length(p) for p in prompts]
+    assert lengths.min() >= 1.0
+    assert lengths.max() > 10 * np.median(lengths)  # a few prompts 10x the median or more
+
+
+@pytest.mark.parametrize("flag", [["--balance", "0"], ["--balance", "x"], ["--balance", "--chaos"],
+                                  ["--long-tail", "--chaos"], ["--long-tail", "-1"]])
+def test_grpo_refuses_bad_balance_flags(flag, capsys):
+    example = load_example()
+    with pytest.raises(SystemExit) as exc:
+        example.main(flag)
+    assert exc.value.code == 2 and "error:" in capsys.readouterr().err  # before Ray starts
+
+
+def test_vllm_long_tail_prompts_carry_long_tailed_max_tokens():
+    from examples.vllm_megatron import grpo
+
+    prompts = grpo.long_tail_prompts(16, digits=4, seed=7)
+    tokens = [p["max_tokens"] for p in prompts]
+    assert len(prompts) == 16 and all(p["prompt"].endswith("=") for p in prompts)
+    assert min(tokens) >= 4 and max(tokens) <= 48 and max(tokens) >= 5 * np.median(tokens)
+    args = grpo.parse(["--balance", "2", "--long-tail"])
+    assert (grpo.balance_chunk(args), args.long_tail) == (2, True)
+    assert grpo.balance_chunk(grpo.parse(["--balance"])) is None  # the library's choice
+    with pytest.raises(SystemExit):
+        grpo.parse(["--balance", "0"])
+
+
+# ------------------------------------------------------------------------------ rlhf_grpo.py
+def _grpo(capsys, tmp_path, argv: list[str]) -> tuple[dict, str]:
+    example = load_example()
+    twinkle_ray.shutdown()
+    try:
+        assert example.main([*argv, "--plot", str(tmp_path / "reward.png")]) == 0
+    finally:
+        twinkle_ray.shutdown()
+    out = capsys.readouterr().out
+    actors, pgs = leftovers()
+    assert not actors and not pgs, (actors, pgs)
+    return json.loads(out.rstrip().splitlines()[-1][len("RESULT "):]), out
+
+
+@pytest.mark.slow
+def test_grpo_balanced_long_tail_learns_and_reports_gen_s(ray_session, capsys, tmp_path):
+    """--balance 1 on long-tailed generation: chunks of one prompt go to whichever sampler is free;
+    the run learns as the sliced one does (test_rlhf.py) and reports each step's generate seconds."""
+    result, out = _grpo(capsys, tmp_path, ["--quick", "--balance", "1", "--long-tail", "0.002"])
+    rewards, gen_s = result["rewards"], result["gen_s"]
+    first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
+    with capsys.disabled():
+        print(f"\nGRPO --quick --balance 1 --long-tail 0.002: reward {first:.3f} -> {last:.3f}, "
+              f"gen_s mean {np.mean(gen_s):.3f}s max {np.max(gen_s):.3f}s")
+    assert result["balance"] == "1" and len(rewards) == len(gen_s) == 20
+    assert all(g > 0 for g in gen_s), gen_s  # every step's generate call was seen by a sampler
+    assert result["policy_versions"] == list(range(20))  # on-policy, as without --balance
+    assert last > first + 0.1, f"no clear learning signal: {first:.3f} -> {last:.3f}"
+    assert "(balanced)" in out
+
+
+@pytest.mark.slow
+def test_grpo_balanced_generation_overlaps_training_with_async(ray_session, capsys, tmp_path):
+    """--balance 2 --async 1: the balanced generation of step k+1 is in flight while step k trains;
+    every step after the first trains on samples exactly one version old."""
+    result, _ = _grpo(capsys, tmp_path, ["--quick", "--balance", "2", "--async", "1", "--long-tail", "0.002"])
+    rewards, versions = result["rewards"], result["policy_versions"]
+    first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
+    with capsys.disabled():
+        print(f"\nGRPO --quick --balance 2 --async 1: reward {first:.3f} -> {last:.3f}, "
+              f"gen_s mean {np.mean(result['gen_s']):.3f}s, median step {np.median(result['step_s']):.2f}s")
+    assert result["async"] == 1 and result["balance"] == "2"
+    assert len(result["gen_s"]) == len(result["step_s"]) == 20 and all(g > 0 for g in result["gen_s"])
+    assert [k - v for k, v in enumerate(versions)] == [0] + [1] * 19, versions
+    assert last > first, f"no learning signal: {first:.3f} -> {last:.3f}"  # as test_rlhf.py's --async
+
+
+# ------------------------------------------------------------------------------ vLLM + Megatron
+HAVE_STACK = all(importlib.util.find_spec(m) is not None for m in ("vllm", "megatron.core"))
+
+
+def _vllm_grpo(capsys, argv: list[str]) -> dict:
+    """examples/vllm_megatron/grpo.py's RESULT (its modules pickled by value, as test_vllm_megatron.py does)."""
+    import ray.cloudpickle
+
+    from examples.vllm_megatron import (
+        common,
+        grpo,
+        hf_megatron,
+        megatron_cpu,
+        megatron_trainer,
+        tiny_llama,
+        vllm_sampler,
+    )
+
+    for mod in (common, tiny_llama, vllm_sampler, hf_megatron, megatron_cpu, megatron_trainer, grpo):
+        ray.cloudpickle.register_pickle_by_value(mod)
+    twinkle_ray.shutdown()
+    try:
+        assert grpo.main(argv) == 0
+    finally:
+        twinkle_ray.shutdown()
+    out = capsys.readouterr().out
+    last = out.rstrip().splitlines()[-1]
+    assert last.startswith("RESULT "), out[-3000:]
+    actors, pgs = leftovers()
+    assert not actors and not pgs, (actors, pgs)
+    return json.loads(last[len("RESULT "):])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # vLLM start-up alone takes minutes on a loaded 2-core machine
+@pytest.mark.skipif(not HAVE_STACK, reason="vLLM / Megatron-Core not installed: run `bash scripts/setup.sh rlhf`")
+def test_vllm_balanced_generation_learns_as_the_sliced_one(ray_session, capsys, tmp_path):
+    """--balance 2: chunks of 2 prompts go to whichever engine is free; the run learns, the engines
+    match the trainer within 1e-4 after every sync, and the long-tailed step is timed both ways."""
+    result = _vllm_grpo(capsys, ["--device", "cpu", "--quick", "--balance", "2", "--long-tail",
+                              "--out-dir", str(tmp_path)])
+    with capsys.disabled():
+        print("\n--balance 2 --long-tail:", {k: v for k, v in result.items() if k not in ("rewards", "logprob_gaps")})
+    assert result["balance"] == "2" and len(result["gen_s"]) == len(result["logprob_gaps"]) == 40
+    assert all(g > 0 for g in result["gen_s"]), result["gen_s"]
+    assert result["max_logprob_gap"] <= 1e-4, result["logprob_gaps"]
+    assert result["reward_last"] > result["reward_first"] + 0.1, (result["reward_first"], result["reward_last"])
+    long_tail = result["long_tail"]
+    assert len(long_tail["max_tokens"]) == 16
+    assert long_tail["slice_dp_s"] > 0 and long_tail["balance_s"] > 0
