@@ -3,13 +3,13 @@
 - the helpers: a step's generate span over the gang, the long-tailed workloads, the flags;
 - slow tier: examples/rlhf_grpo.py --quick --balance 1 --long-tail learns and reports gen_s per step;
   --balance with --async 1 keeps the staleness exactly one version; examples/vllm_megatron/grpo.py
-  --quick --balance 2 --long-tail learns with the engines matching the trainer within 1e-4 after
-  every sync, and times the long-tailed step per data rank and balanced.
+  --quick --async 1 --balance 2 --long-tail (in tests/test_vllm_megatron.py) learns with the engines
+  matching the trainer within 1e-4 after every sync, and times the long-tailed step per data rank
+  and balanced.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -116,55 +116,3 @@ def test_grpo_balanced_generation_overlaps_training_with_async(ray_session, caps
     assert len(result["gen_s"]) == len(result["step_s"]) == 20 and all(g > 0 for g in result["gen_s"])
     assert [k - v for k, v in enumerate(versions)] == [0] + [1] * 19, versions
     assert last > first, f"no learning signal: {first:.3f} -> {last:.3f}"  # as test_rlhf.py's --async
-
-
-# ------------------------------------------------------------------------------ vLLM + Megatron
-HAVE_STACK = all(importlib.util.find_spec(m) is not None for m in ("vllm", "megatron.core"))
-
-
-def _vllm_grpo(capsys, argv: list[str]) -> dict:
-    """examples/vllm_megatron/grpo.py's RESULT (its modules pickled by value, as test_vllm_megatron.py does)."""
-    import ray.cloudpickle
-
-    from examples.vllm_megatron import (
-        common,
-        grpo,
-        hf_megatron,
-        megatron_cpu,
-        megatron_trainer,
-        tiny_llama,
-        vllm_sampler,
-    )
-
-    for mod in (common, tiny_llama, vllm_sampler, hf_megatron, megatron_cpu, megatron_trainer, grpo):
-        ray.cloudpickle.register_pickle_by_value(mod)
-    twinkle_ray.shutdown()
-    try:
-        assert grpo.main(argv) == 0
-    finally:
-        twinkle_ray.shutdown()
-    out = capsys.readouterr().out
-    last = out.rstrip().splitlines()[-1]
-    assert last.startswith("RESULT "), out[-3000:]
-    actors, pgs = leftovers()
-    assert not actors and not pgs, (actors, pgs)
-    return json.loads(last[len("RESULT "):])
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1500)  # vLLM start-up alone takes minutes on a loaded 2-core machine
-@pytest.mark.skipif(not HAVE_STACK, reason="vLLM / Megatron-Core not installed: run `bash scripts/setup.sh rlhf`")
-def test_vllm_balanced_generation_learns_as_the_sliced_one(ray_session, capsys, tmp_path):
-    """--balance 2: chunks of 2 prompts go to whichever engine is free; the run learns, the engines
-    match the trainer within 1e-4 after every sync, and the long-tailed step is timed both ways."""
-    result = _vllm_grpo(capsys, ["--device", "cpu", "--quick", "--balance", "2", "--long-tail",
-                              "--out-dir", str(tmp_path)])
-    with capsys.disabled():
-        print("\n--balance 2 --long-tail:", {k: v for k, v in result.items() if k not in ("rewards", "logprob_gaps")})
-    assert result["balance"] == "2" and len(result["gen_s"]) == len(result["logprob_gaps"]) == 40
-    assert all(g > 0 for g in result["gen_s"]), result["gen_s"]
-    assert result["max_logprob_gap"] <= 1e-4, result["logprob_gaps"]
-    assert result["reward_last"] > result["reward_first"] + 0.1, (result["reward_first"], result["reward_last"])
-    long_tail = result["long_tail"]
-    assert len(long_tail["max_tokens"]) == 16
-    assert long_tail["slice_dp_s"] > 0 and long_tail["balance_s"] > 0

@@ -168,14 +168,25 @@ def test_pipeline_parallel_trainer_keeps_the_sampler_in_step(ray_session, capsys
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 @needs_stack
-def test_async_quick_run_learns_one_version_behind(ray_session, capsys, tmp_path):
-    """--async 1: the engines generate step k+1 while Megatron trains step k; every step after the
-    first trains on samples one version old, and after every sync the engines match the trainer."""
-    result, out = _run(capsys, ["--device", "cpu", "--quick", "--async", "1", "--out-dir", str(tmp_path)])
+def test_async_balanced_quick_run_learns_one_version_behind(ray_session, capsys, tmp_path):
+    """--async 1 --balance 2 --long-tail: the engines generate step k+1 while Megatron trains step
+    k, chunks of 2 prompts going to whichever engine is free; every step after the first trains on
+    samples one version old, after every sync the engines match the trainer, and the long-tailed
+    step is timed sliced and balanced. One vLLM run covers both issue 25's --async and issue 26's
+    --balance (each vLLM start-up costs minutes of CI); the run without either flag is
+    test_quick_run_learns_with_the_sampler_matching_the_trainer_every_step."""
+    result, out = _run(capsys, ["--device", "cpu", "--quick", "--async", "1", "--balance", "2",
+                                "--long-tail", "--out-dir", str(tmp_path)])
     with capsys.disabled():
-        print("\n--async 1:", {k: v for k, v in result.items() if k not in ("rewards", "logprob_gaps")})
+        print("\n--async 1 --balance 2 --long-tail:",
+              {k: v for k, v in result.items() if k not in ("rewards", "logprob_gaps")})
     versions = result["policy_versions"]
     assert result["async"] == 1 and len(versions) == len(result["step_s"]) == 40
     assert [k - v for k, v in enumerate(versions)] == [0] + [1] * 39, versions
     assert result["max_logprob_gap"] <= 1e-4, result["logprob_gaps"]
     assert result["reward_last"] > result["reward_first"], (result["reward_first"], result["reward_last"])
+    assert result["balance"] == "2" and len(result["gen_s"]) == 40
+    assert all(g > 0 for g in result["gen_s"]), result["gen_s"]
+    long_tail = result["long_tail"]
+    assert len(long_tail["max_tokens"]) == 16
+    assert long_tail["slice_dp_s"] > 0 and long_tail["balance_s"] > 0
