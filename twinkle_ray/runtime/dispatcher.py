@@ -107,9 +107,10 @@ class Dispatcher:
 
     async def abort(self, reason: str, ranks: list[int] | None = None) -> bool:
         """Tear the gang down because a collective it is in cannot complete (e.g. a weight sync
-        whose other end failed). Returns False if the gang was not running."""
+        whose other end failed). Returns False if the gang was not running: down, stopped, or
+        being (re)built (a build's new workers are in no collective yet)."""
         workers = self.state.workers
-        if not workers or self.deaths.error is not None:
+        if not workers or self.deaths.error is not None or self.rebuilds.building:
             return False
         stuck = list(range(len(workers))) if ranks is None else list(ranks)
         await self._fail(GangStuckError(self.spec.group.name, self.spec.cls_name, None, stuck,

@@ -81,10 +81,12 @@ class Rebuilder:
         return self.started[k - 1]
 
     async def fail(self, error: WorkerDiedError) -> None:
-        """The gang is broken: keep ``error`` for callers, tear it down whole, rebuild if allowed."""
+        """The gang is broken: keep ``error`` for callers, tear it down whole, rebuild if allowed.
+        A build under way is ended first (and what it built killed): one build at a time."""
         st = self.state
         self.deaths.died(error, st.actor_ids())
         logger.warning("%s", error)
+        previous = self._end_build()  # a later build waits for it; a teardown need not
         if st.stopped:
             await self.builder.kill()
             return
@@ -97,7 +99,7 @@ class Rebuilder:
                 self.metrics.restarted(error.kind)
             logger.warning("gang %s: automatic rebuild %d (%s)", st.label, self.restarts,
                            self.policy.describe())
-            self._task = asyncio.ensure_future(self._rebuild(error, "automatic"))
+            self._task = asyncio.ensure_future(self._rebuild(error, "automatic", previous))
             return
         if self.policy.max_restarts > 0:
             if self.metrics is not None:
@@ -107,16 +109,24 @@ class Rebuilder:
             self.deaths.not_rebuilt(reason, GangRebuildError(error, reason))
         await self.builder.kill()
 
+    def _end_build(self) -> asyncio.Task | None:
+        """Cancel the build under way, if any (it kills what it built); returns it, so the next
+        build starts only once it has ended."""
+        previous = self._task
+        if previous is None or previous.done():
+            return None
+        previous.cancel()
+        return previous
+
     async def restart(self) -> None:
         """A rebuild asked for (``restart()``); ends a build under way first and kills what it
         built. Returns once the gang is settled (up, or down with the rebuild's error)."""
         if self.metrics is not None:
             self.metrics.restarted("manual")
-        previous = self._task
-        if previous is not None and not previous.done():
+        previous = self._end_build()
+        if previous is not None:
             logger.warning("gang %s: restart() asked for during a rebuild; ending that one and "
                            "building afresh", self.state.label)
-            previous.cancel()
         else:
             logger.warning("gang %s: restart() asked for; rebuilding it", self.state.label)
         death = self.deaths.restarting()  # what a failed rebuild followed
