@@ -230,7 +230,8 @@ class ReplicaGang:
 
         import twinkle_ray
 
-        from .runtime.session import adopt_placement_group, current
+        from .runtime.adopt import adopt_placement_group
+        from .runtime.session import current
 
         if retries < 0 or max_rebuilds < 0 or rebuild_timeout_s <= 0 or rebuild_window_s <= 0:
             raise ValueError(

@@ -109,9 +109,10 @@ class Dispatcher:
 
     async def abort(self, reason: str, ranks: list[int] | None = None) -> bool:
         """Tear the gang down because a collective it is in cannot complete (e.g. a weight sync
-        whose other end failed). Returns False if the gang was not running."""
+        whose other end failed). Returns False if the gang was not running: down, stopped, or
+        being (re)built (a build's new workers are in no collective yet)."""
         workers = self.state.workers
-        if not workers or self.deaths.error is not None:
+        if not workers or self.deaths.error is not None or self.rebuilds.building:
             return False
         stuck = list(range(len(workers))) if ranks is None else list(ranks)
         await self._fail(GangStuckError(self.spec.group.name, self.spec.cls_name, None, stuck,
@@ -123,8 +124,14 @@ class Dispatcher:
         self.health.report_failure(gen, seq, rank, method, cause)
 
     def set_restart_policy(self, max_restarts: int, window_s: float | None = None) -> str:
-        """Replace the gang's restart policy (a Serve replica sets its own limits here)."""
+        """Replace the gang's restart limits (a Serve replica sets its own here); the
+        rebuilds made so far still count."""
         return self.rebuilds.set_policy(max_restarts, window_s)
+
+    async def rebuilt(self, k: int) -> float:
+        """When this dispatcher's k-th automatic rebuild started; answered once it starts (the
+        creator's ticket: its count of the gang's one restart budget outlives this actor)."""
+        return await self.rebuilds.started_at(k)
 
     async def save_state(self, path: str | None = None, turn: tuple[str, int] | None = None) -> int:
         """Keep every rank's ``state_dict()`` (ObjectRefs this actor owns, or files under

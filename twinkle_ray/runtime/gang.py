@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ..core import defaults
 from .dispatcher import RemoteDispatcher
 from .proxy import GangProxy, wait_with_progress
-from .restarts import RestartPolicy
+from .restarts import RebuildLedger, RestartPolicy
 from .sending import put_large, unpicklable
 from .spec import GangSpec
 
@@ -90,7 +90,7 @@ def create_gang(
         proxy = _start(spec, runtime.start_timeout_s)
         if max_restarts > 0:  # this proxy (the creator's) rebuilds a dead dispatcher and its gang
             proxy.respawn_dispatcher(functools.partial(respawn, spec, runtime.start_timeout_s),
-                                     RestartPolicy(max_restarts, spec.restart_window_s))
+                                     RebuildLedger(RestartPolicy(max_restarts, spec.restart_window_s)))
         runtime.register(proxy, group.name, taken)
     except BaseException:
         runtime.release(group.name, taken)
@@ -143,18 +143,21 @@ def new_dispatcher(spec: GangSpec):
 
 
 def respawn(spec: GangSpec, timeout_s: float | None, saved: list | None,
-            policy: RestartPolicy) -> tuple:
+            budget: RebuildLedger) -> tuple:
     """Rebuild a gang whose dispatcher died: a new dispatcher under the same name, a fresh
     gang, and each rank's ``saved`` state (files of ``save_state(path=...)``) restored. The
-    new dispatcher rebuilds dead workers under ``policy``'s limits (the gang's one policy).
+    new dispatcher rebuilds dead workers within the gang's one restart budget: ``budget``'s
+    limits and its history (this respawn included).
     Returns (the new dispatcher, its describe()).
 
     The dead dispatcher's name is free only once Ray has recorded its death (after a node
     loss, when its health checks give the node up): until then, creating the new one is
     retried for up to RESPAWN_NAME_WAIT_S.
     """
+    policy = budget.policy
     spec = dataclasses.replace(spec, max_restarts=policy.max_restarts,
-                               restart_window_s=policy.window_s)
+                               restart_window_s=policy.window_s,
+                               restart_times=budget.history(), restarts=budget.count)
     deadline = time.monotonic() + RESPAWN_NAME_WAIT_S
     while True:
         try:

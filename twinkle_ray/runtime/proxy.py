@@ -34,7 +34,7 @@ from ..core.platform import Platform
 from . import balance
 from .errors import WorkerDiedError
 from .lazy import GangRef, LazyResult, fetch
-from .restarts import RestartPolicy
+from .restarts import RebuildLedger, RestartPolicy
 from .sending import _nbytes, put_large, sent_by_value, strip_own_gang, unpicklable
 
 logger = logging.getLogger(__name__)
@@ -123,10 +123,10 @@ class GangProxy:
         self._prev: list | None = None
         self._turn_lock = threading.Lock()
         # Set by create_gang on the creator's proxy when max_restarts > 0 (respawn_dispatcher):
-        # rebuilds the gang after its dispatcher died, within the gang's one restart policy (the
-        # one set_restart_policy replaces); never pickled: only the creator can.
+        # rebuilds the gang after its dispatcher died, within the gang's one restart budget (its
+        # history kept here, where it outlives the dispatcher); never pickled: only the creator can.
         self._respawn: Callable[..., tuple] | None = None
-        self._policy: RestartPolicy | None = None
+        self._budget: RebuildLedger | None = None
         self._saved_files: list | None = None  # files of the last save_state(path=...)
 
     # -- lookup --------------------------------------------------------------------------------
@@ -253,6 +253,8 @@ class GangProxy:
         if self._lost:
             self._rebuild_dispatcher()
             return
+        if self._budget is not None:
+            self._budget.catch_up()
         self._desc = wait_with_progress(
             self._gang.dispatcher.restart.remote(), f"restart of gang {self._desc['label']}", timeout
         )
@@ -307,18 +309,21 @@ class GangProxy:
                 logger.warning("gang %s: its dispatcher died; found its new one by name",
                                self._desc["label"])
                 return
-            policy = self._policy
-            if not policy.allow(time.monotonic()):
+            budget = self._budget
+            if not budget.allow_respawn(time.time()):
                 raise WorkerDiedError(g.group, g.cls_name, None, None,
                                       "its dispatcher died and is not rebuilt (its restart "
-                                      f"budget is spent: {policy.describe()})", kind="dispatcher")
+                                      f"budget is spent: {budget.policy.describe()})",
+                                      kind="dispatcher")
             logger.warning("gang %s: its dispatcher died; rebuilding it and the gang (%s)",
-                           self._desc["label"], policy.describe())
+                           self._desc["label"], budget.policy.describe())
             if self._saved_files is None:
                 logger.warning("gang %s: no state saved to files; the rebuilt gang starts from "
                                "its constructor (in-memory saves die with the dispatcher)",
                                self._desc["label"])
-            self._use_dispatcher(*self._respawn(self._saved_files, policy))
+            dispatcher, desc = self._respawn(self._saved_files, budget)
+            budget.follow(dispatcher)  # count the new dispatcher's rebuilds
+            self._use_dispatcher(dispatcher, desc)
 
     def _dispatcher_died(self, gang: GangRef) -> None:
         """A call through ``gang`` found its dispatcher dead (a LazyResult's ``on_lost``); one of
@@ -365,6 +370,8 @@ class GangProxy:
         """Raise WorkerDiedError if a worker of the gang died. ``wait``: first wait for an
         automatic rebuild under way (then raise only if the gang stays down)."""
         self._check_open()
+        if self._budget is not None:
+            self._budget.catch_up()
         fetch([self._gang.dispatcher.check_health.remote(wait)], [0], self._gang, "check_health",
               timeout, on_lost=self._dispatcher_died)
 
@@ -379,17 +386,19 @@ class GangProxy:
             gang.set_restart_policy(3, window_s=600)   # 'max_restarts=3 within 600s'
         """
         self._check_open()
-        policy = RestartPolicy(max_restarts, window_s)  # a bad value raises here, changing nothing
+        RestartPolicy(max_restarts, window_s)  # a bad value raises here, changing nothing
         described = ray.get(self._gang.dispatcher.set_restart_policy.remote(max_restarts, window_s))
-        if self._respawn is not None:
-            self._policy = policy
+        if self._budget is not None:
+            self._budget.limit(max_restarts, window_s)
         return described
 
-    def respawn_dispatcher(self, respawn: Callable[..., tuple], policy: RestartPolicy) -> None:
+    def respawn_dispatcher(self, respawn: Callable[..., tuple], budget: RebuildLedger) -> None:
         """Make this (the creator's) proxy rebuild the gang when its dispatcher dies:
-        ``respawn(saved_files, policy)`` returns (the new dispatcher, its describe()); at most
-        as often as ``policy`` (the gang's restart policy) allows."""
-        self._respawn, self._policy = respawn, policy
+        ``respawn(saved_files, budget)`` returns (the new dispatcher, its describe()); at most
+        as often as the gang's one restart budget (``budget``, which counts the dispatcher's
+        automatic rebuilds too) allows."""
+        self._respawn, self._budget = respawn, budget
+        budget.follow(self._gang.dispatcher)
 
     def topology(self) -> dict:
         """The gang's ranks, nodes and devices (as its dispatcher reports them)."""

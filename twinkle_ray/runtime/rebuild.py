@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import ray
 
@@ -42,9 +43,13 @@ class Rebuilder:
         self.builder = builder
         self.state, self.deaths = builder.state, builder.deaths
         spec = self.state.spec
-        self.policy = RestartPolicy(spec.max_restarts, spec.restart_window_s)
+        # The gang's one budget: the history a respawned dispatcher is handed counts too.
+        self.policy = RestartPolicy(spec.max_restarts, spec.restart_window_s,
+                                    list(spec.restart_times))
         self.metrics = RestartMetrics.create(spec.label, spec.metrics)
-        self.restarts = 0  # automatic rebuilds started
+        self.restarts = spec.restarts  # automatic rebuilds started (respawns before this included)
+        self.started: list[float] = []  # when this dispatcher's automatic rebuilds started
+        self._started_more = asyncio.Event()  # set when one starts (tickets wait on it)
         self._task: asyncio.Task | None = None  # the build under way (automatic or restart())
 
     @property
@@ -63,24 +68,38 @@ class Rebuilder:
             self._task.cancel()
 
     def set_policy(self, max_restarts: int, window_s: float | None = None) -> str:
-        self.policy = RestartPolicy(max_restarts, window_s)
+        """New limits; the rebuilds made so far still count."""
+        self.policy = self.policy.limited(max_restarts, window_s)
         return self.policy.describe()
 
+    async def started_at(self, k: int) -> float:
+        """When this dispatcher's k-th automatic rebuild started (1-based); waits for it (the
+        creator's ticket: see :class:`~twinkle_ray.runtime.restarts.RebuildLedger`)."""
+        while len(self.started) < k:
+            self._started_more.clear()
+            await self._started_more.wait()
+        return self.started[k - 1]
+
     async def fail(self, error: WorkerDiedError) -> None:
-        """The gang is broken: keep ``error`` for callers, tear it down whole, rebuild if allowed."""
+        """The gang is broken: keep ``error`` for callers, tear it down whole, rebuild if allowed.
+        A build under way is ended first (and what it built killed): one build at a time."""
         st = self.state
         self.deaths.died(error, st.actor_ids())
         logger.warning("%s", error)
+        previous = self._end_build()  # a later build waits for it; a teardown need not
         if st.stopped:
             await self.builder.kill()
             return
-        if self.policy.max_restarts > 0 and self.policy.allow(asyncio.get_running_loop().time()):
+        now = time.time()
+        if self.policy.max_restarts > 0 and self.policy.allow(now):
             self.restarts += 1
+            self.started.append(now)
+            self._started_more.set()
             if self.metrics is not None:
                 self.metrics.restarted(error.kind)
             logger.warning("gang %s: automatic rebuild %d (%s)", st.label, self.restarts,
                            self.policy.describe())
-            self._task = asyncio.ensure_future(self._rebuild(error, "automatic"))
+            self._task = asyncio.ensure_future(self._rebuild(error, "automatic", previous))
             return
         if self.policy.max_restarts > 0:
             if self.metrics is not None:
@@ -90,16 +109,24 @@ class Rebuilder:
             self.deaths.not_rebuilt(reason, GangRebuildError(error, reason))
         await self.builder.kill()
 
+    def _end_build(self) -> asyncio.Task | None:
+        """Cancel the build under way, if any (it kills what it built); returns it, so the next
+        build starts only once it has ended."""
+        previous = self._task
+        if previous is None or previous.done():
+            return None
+        previous.cancel()
+        return previous
+
     async def restart(self) -> None:
         """A rebuild asked for (``restart()``); ends a build under way first and kills what it
         built. Returns once the gang is settled (up, or down with the rebuild's error)."""
         if self.metrics is not None:
             self.metrics.restarted("manual")
-        previous = self._task
-        if previous is not None and not previous.done():
+        previous = self._end_build()
+        if previous is not None:
             logger.warning("gang %s: restart() asked for during a rebuild; ending that one and "
                            "building afresh", self.state.label)
-            previous.cancel()
         else:
             logger.warning("gang %s: restart() asked for; rebuilding it", self.state.label)
         death = self.deaths.restarting()  # what a failed rebuild followed

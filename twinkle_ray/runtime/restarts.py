@@ -6,6 +6,16 @@ down with an error that says so. The dispatcher applies the policy to every
 automatic rebuild; a Serve replica's gang uses the same policy (it sets the
 replica's limits on its dispatcher) instead of keeping a second one.
 
+The budget is one for the gang's whole life, dispatcher respawns included: a
+respawn is a rebuild, and a respawned dispatcher starts with the history of
+the rebuilds before it. The creator's proxy keeps that history
+(:class:`RebuildLedger`): it respawns the dispatcher, so it is what survives
+the dispatcher's death. It learns of each automatic rebuild from a *ticket*:
+a call ``dispatcher.rebuilt(k)`` it made in advance, answered when the k-th
+rebuild starts; the answer is held by the creator, so it outlives the
+dispatcher. A respawn hands the whole history to the new dispatcher (in its
+GangSpec).
+
 Every rebuild is logged and counted in Ray's metrics system:
 
 - ``twinkle_gang_restarts_total``: rebuilds started, tagged ``gang`` and
@@ -27,6 +37,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +74,100 @@ class RestartPolicy:
     def describe(self) -> str:
         within = f" within {self.window_s:g}s" if self.window_s is not None else ""
         return f"max_restarts={self.max_restarts}{within}"
+
+    def limited(self, max_restarts: int, window_s: float | None = None) -> RestartPolicy:
+        """New limits on the same history (rebuilds already made still count).
+
+        >>> RestartPolicy(2, times=[5.0]).limited(1).allow(6.0)
+        False
+        """
+        return RestartPolicy(max_restarts, window_s, list(self.times))
+
+
+# Tickets a creator keeps waiting on one dispatcher at most (each is a pending call on it).
+TICKETS_MAX = 8
+
+
+class RebuildLedger:
+    """The creator's copy of its gang's one restart budget: the policy and its history.
+
+    The creator's proxy counts its own respawns of a dead dispatcher here
+    (:meth:`allow_respawn`) and the dispatcher's automatic rebuilds as their
+    tickets are answered (:meth:`catch_up`), and hands the history to each
+    dispatcher it respawns. Up to ``min(max_restarts, TICKETS_MAX)`` tickets
+    wait on the dispatcher at a time; each catch-up takes the answered ones and
+    waits on as many new ones. With ``window_s=None`` a dispatcher can never
+    make more rebuilds than the tickets waiting on it, so the count is exact; a
+    windowed budget is re-counted whenever the creator's proxy restarts, sets
+    the policy, checks health or respawns.
+
+    Example::
+
+        ledger = RebuildLedger(RestartPolicy(2))
+        ledger.follow(dispatcher)                  # count the rebuilds this one starts
+        if ledger.allow_respawn(time.time()):      # the dispatcher died
+            spec = dataclasses.replace(spec, restart_times=ledger.history(), restarts=ledger.count)
+    """
+
+    def __init__(self, policy: RestartPolicy):
+        self.policy = policy
+        self.count = 0  # rebuilds so far: automatic ones and respawns
+        self._dispatcher: Any = None
+        self._tickets: list = []  # refs of dispatcher.rebuilt(k), k = _seen + 1, ... in order
+        self._seen = 0  # rebuilds of the current dispatcher counted
+
+    def follow(self, dispatcher: Any) -> None:
+        """Count the automatic rebuilds of ``dispatcher`` (a new one: it has made none)."""
+        self._dispatcher, self._tickets, self._seen = dispatcher, [], 0
+        self._arm()
+
+    def limit(self, max_restarts: int, window_s: float | None = None) -> None:
+        """New limits, same history (``set_restart_policy``)."""
+        self.catch_up()
+        self.policy = self.policy.limited(max_restarts, window_s)
+        self._arm()
+
+    def history(self) -> tuple[float, ...]:
+        """The times of the rebuilds the policy still counts, for a new dispatcher."""
+        return tuple(self.policy.times)
+
+    def catch_up(self) -> None:
+        """Count the rebuilds whose tickets were answered, and wait on new tickets. Never
+        waits: a ticket not answered yet is a rebuild not started yet."""
+        import ray
+
+        while self._tickets:
+            ready, _ = ray.wait(self._tickets[:1], timeout=0)
+            if not ready:
+                break
+            ticket = self._tickets.pop(0)
+            try:
+                at = ray.get(ticket)
+            except Exception:  # the dispatcher died: no later ticket will be answered
+                logger.debug("restart ticket ended with its dispatcher", exc_info=True)
+                self._tickets.clear()
+                self._dispatcher = None
+                break
+            self.policy.times.append(at)
+            self.count += 1
+            self._seen += 1
+        self._arm()
+
+    def allow_respawn(self, now: float) -> bool:
+        """Whether the dead dispatcher may be respawned at ``now``; records it if so."""
+        self.catch_up()
+        if not self.policy.allow(now):
+            return False
+        self.count += 1
+        return True
+
+    def _arm(self) -> None:
+        if self._dispatcher is None:
+            return
+        want = min(self.policy.max_restarts, TICKETS_MAX)
+        while len(self._tickets) < want:
+            k = self._seen + len(self._tickets) + 1
+            self._tickets.append(self._dispatcher.rebuilt.remote(k))
 
 
 class RestartMetrics:

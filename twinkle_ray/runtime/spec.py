@@ -45,6 +45,10 @@ class GangSpec:
     namespace: str | None = None
     max_restarts: int = 0
     restart_window_s: float | None = None  # max_restarts within this many seconds (None: ever)
+    # the budget's history when a dispatcher is respawned (RebuildLedger): the times of the
+    # rebuilds it still counts, and how many rebuilds the gang had before (respawns included)
+    restart_times: tuple[float, ...] = ()
+    restarts: int = 0
     placement_timeout_s: float = defaults.PLACEMENT_TIMEOUT_S  # a rebuild waits this long for its bundles to be placed
     # a rebuild's start (workers up, torch.distributed, constructors, saved state) ends within
     # this many seconds, or what it built is killed and the gang is down (None: no bound)
