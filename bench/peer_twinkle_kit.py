@@ -173,13 +173,19 @@ def _alive() -> int:
     ``ray::Class``, idle workers and zombies left out. (Not the state API: without a dashboard
     of our own it asks whatever listens on 127.0.0.1:8265, another session's Ray on a shared host.)"""
     n = 0
-    for raylet in (p for p in psutil.Process().children(recursive=True) if p.name() == "raylet"):
-        for w in raylet.children():
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.name() != "raylet":
+                continue
+            workers = proc.children()
+        except psutil.Error:  # exited meanwhile
+            continue
+        for w in workers:
             try:
                 title = (w.cmdline() or [""])[0]
                 if w.status() != psutil.STATUS_ZOMBIE and title.startswith("ray::") and title != "ray::IDLE":
                     n += 1
-            except psutil.Error:  # exited meanwhile
+            except psutil.Error:
                 pass
     return n
 
