@@ -445,21 +445,22 @@ def main(argv: list[str] | None = None) -> int:
     twinkle.initialize(mode="ray", ncpu_proc_per_node=ncpu_proc, groups=tk_groups)
     rows: list[dict] = []
     try:
-        if "startup" in only:  # first: each twinkle_ray start-up ends with tr.shutdown()
-            if args.quick:
-                rows += bench_startup(2, ["default", "none"], warmup=0)
-            else:
-                rows += bench_startup(4, ["default", "none"]) + bench_startup(2, ["gloo"])
-            print(table(rows), file=sys.stderr, flush=True)  # partial results survive a long run
         tr.initialize("ray", groups=[TrGroup("tr_prod", 4, "cpu"), TrGroup("tr_cons", 2, "cpu")]
                       + [TrGroup(f"tr_call_{n}", n, "cpu") for n in sizes], namespace=NAMESPACE)
         if "call" in only:
             for n in sizes:  # one size's gangs at a time: 2 x 24 worker processes are enough on a small VM
                 rows += bench_call(n, 60 if args.quick else 200, 100, 3 if args.quick else 7)
-                print(table(rows), file=sys.stderr, flush=True)
+                print(table(rows), file=sys.stderr, flush=True)  # partial results survive a long run
             flatness(rows)
         if "flow" in only:
             rows += bench_flow(16, 7) if args.quick else bench_flow(256, 15)
+            print(table(rows), file=sys.stderr, flush=True)
+        tr.shutdown()
+        if "startup" in only:  # last (the slowest part): each twinkle_ray start-up starts and ends a runtime
+            if args.quick:
+                rows += bench_startup(2, ["default", "none"], warmup=0)
+            else:
+                rows += bench_startup(4, ["default", "none"]) + bench_startup(2, ["gloo"])
     finally:
         tr.shutdown()
         ray.shutdown()
