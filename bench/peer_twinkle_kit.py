@@ -424,7 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="fewer repeats, workers 4,8, 16 MB flow (a few minutes)")
-    ap.add_argument("--json", action="store_true", help="one JSON line on stdout (Ray's raylet warnings may share stdout: take the line starting with {), the table on stderr")
+    ap.add_argument("--json", action="store_true",
+                    help="one JSON line on stdout (Ray's raylet warnings may share stdout: take the line "
+                         "starting with {), the table on stderr")
     ap.add_argument("--only", default="startup,call,flow", help="comma list of startup, call, flow")
     ap.add_argument("--workers", default=None,
                     help="comma list of gang sizes for the per-call rows (default 4,24; --quick: 4,8)")
