@@ -269,17 +269,21 @@ class WeightChannel:
 
     @staticmethod
     def refuse(addr: str, port: int, message: str, prefix: str = "twinkle-weights",
-               timeout_s: float = 10.0) -> None:
+               timeout_s: float = 10.0, channel: str | None = None) -> None:
         """Tell every end of a channel being set up that this one failed (best effort).
 
         The ends waiting at the set-up gate raise ``message`` at once instead of waiting for
-        their timeout.
+        their timeout. ``channel``: refuse the gate of every lane the host announced
+        (:func:`lane_prefix`; each lane's source waits at its own), instead of ``prefix`` alone.
         """
         import torch.distributed as dist
 
         try:
             store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-            dist.PrefixStore(prefix, store).set("gate", message)
+            lanes = int(store.get("lanes")) if channel is not None else 1
+            prefixes = [lane_prefix(channel, k) for k in range(lanes)] if channel is not None else [prefix]
+            for p in prefixes:
+                dist.PrefixStore(p, store).set("gate", message)
         except Exception:  # the host is gone too: nobody is left waiting on it
             logger.debug("weight sync: could not refuse the set-up at %s:%s", addr, port, exc_info=True)
 

@@ -394,7 +394,7 @@ class WeightSyncMixin:
             raise  # another end failed first and said so
         except Exception as e:
             WeightChannel.refuse(addr, port, f"{type(self).__name__}.weight_sync_join on rank {get_rank()}: "
-                                             f"{type(e).__name__}: {e}", prefix=lane_prefix(channel, 0))
+                                             f"{type(e).__name__}: {e}", channel=channel)  # every lane
             raise
 
     @remote_function(dispatch="all", collect="flatten")
@@ -453,8 +453,20 @@ class WeightSyncMixin:
 
     @remote_function(dispatch="all", collect="flatten")
     def weight_sync_recv(self, channel: str) -> list[SyncStats]:
-        """Receivers: every end of this worker takes one sync; their figures."""
-        return [SyncStats(**got) for got in self.weight_sync_fanout("recv", channel)]
+        """Receivers: every end of this worker takes one sync; their figures.
+
+        A receiver that fails (before it reached the sync too) leaves the channel: the source and
+        the other receivers, waiting for it to arrive, see its connections close and end their
+        wait at once, so no gang is held until the driver reads the sync (set up again next time).
+        """
+        try:
+            return [SyncStats(**got) for got in self.weight_sync_fanout("recv", channel)]
+        except BaseException:
+            try:
+                self.weight_sync_fanout("close", channel)
+            except Exception:  # best effort: the original error is the one to raise
+                logger.debug("weight sync %s: closing a failed receiver failed", channel, exc_info=True)
+            raise
 
     @remote_function(dispatch="all")
     def weight_sync_close(self, channel: str, role: str | None = None) -> None:
