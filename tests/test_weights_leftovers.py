@@ -10,7 +10,14 @@ import pytest
 import torch
 
 import twinkle_ray
-from twinkle_ray import CallTimeoutError, DeviceGroup, DeviceMesh, get_rank, remote_class, remote_function
+from twinkle_ray import (
+    CallTimeoutError,
+    DeviceGroup,
+    DeviceMesh,
+    get_rank,
+    remote_class,
+    remote_function,
+)
 from twinkle_ray.weights import WeightSync, WeightSyncMixin
 
 LIMIT_S = 20.0  # fault -> answer, on a loaded 2-core machine; typical is a few seconds
@@ -130,3 +137,43 @@ def test_get_timeout_bounds_the_whole_get(gangs):
     assert not busy.done()  # raised while the earlier call still ran: get() did not wait for it
     assert twinkle_ray.get(handle).tensors == 4  # it went on, and finishes
     assert sampler.work()() == [1.0, 1.0]
+
+
+class _Unplanned:
+    """A sync end whose call has not started on any rank (its gang is being rebuilt): asking for its
+    plan waits up to the timeout given, then raises as LazyResult.plan does; without one, 3 s."""
+
+    def __init__(self):
+        self.asked: list = []
+        self.gang = type("G", (), {"group": "sampler", "cls_name": "Staged"})()
+        self.method = "weight_sync_recv"
+
+    def plan(self, timeout=None):
+        self.asked.append(timeout)
+        time.sleep(3.0 if timeout is None else min(timeout, 3.0))
+        if timeout is not None and timeout < 3.0:
+            raise CallTimeoutError(f"Staged.weight_sync_recv() on group 'sampler': not started on any rank "
+                                   f"within {timeout:g}s", [])
+        return type("Out", (), {"refs": [], "workers": []})()
+
+    refs = property(lambda self: list(self.plan().refs))
+    ranks = property(lambda self: list(self.plan().workers))
+
+    def done(self):
+        return False
+
+    def get(self, timeout=None):
+        self.plan(timeout)
+        return []
+
+
+def test_get_timeout_bounds_fetching_the_plans():
+    from twinkle_ray.weights import SyncHandle
+
+    ws = WeightSync(object(), [object()])
+    end = _Unplanned()
+    handle = SyncHandle(ws, [("sampler", end)], None, None)
+    with pytest.raises(CallTimeoutError, match=f"weight sync {ws.channel}: not finished within 0.5s") as info:
+        handle.get(timeout=0.5)
+    assert "not started on any rank" in str(info.value)
+    assert len(end.asked) == 1 and 0 < end.asked[0] <= 0.5  # the plan was asked for within the bound

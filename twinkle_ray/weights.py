@@ -627,12 +627,22 @@ class WeightSync:
 
         owner: dict = {}
         failed: list[int] = []
+        asked = time.monotonic()
         for k, (_, lazy) in enumerate(ends):
+            # A call waits in its dispatcher (a rebuild, a stuck check) before its plan comes back:
+            # a caller's bound (abort_late False: get(timeout)) covers that wait too.
+            bound = None if abort_late or wait_s is None else max(0.0, wait_s - (time.monotonic() - asked))
             try:
-                owner.update({ref: k for ref in lazy.refs})
+                owner.update({ref: k for ref in lazy.plan(bound).refs})
+            except CallTimeoutError as e:
+                if bound is None:
+                    failed.append(k)
+                    continue
+                raise CallTimeoutError(f"weight sync {self.channel}: not finished within {wait_s:g}s "
+                                       f"({e})", []) from None
             except Exception:  # the gang could not take the call (dead, stopped)
                 failed.append(k)
-        start = time.monotonic()
+        start = time.monotonic() if abort_late or wait_s is None else asked
         failed_at = start if failed else None
         pending = list(owner)
         while pending:
@@ -720,7 +730,9 @@ class SyncHandle(Pending):
     def get(self, timeout: float | None = None) -> SyncStats | None:
         """The source's SyncStats once both sides are done; raises the sync's error.
 
-        ``timeout``: raise CallTimeoutError if it has not finished by then (the sync goes on).
+        ``timeout``: raise CallTimeoutError (naming the sync) if it has not finished by then; it
+        bounds the whole get, the wait for a call that has not started on any rank yet included
+        (the sync goes on).
         """
         if not self._settled:
             self._settle(timeout)
