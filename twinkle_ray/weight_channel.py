@@ -237,8 +237,8 @@ class WeightChannel:
         import torch
         import torch.distributed as dist
 
+        self.pass_gate(prefix)
         store = dist.PrefixStore(prefix, self.store)
-        self._gate(store)
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             self.pg = dist.ProcessGroupNCCL(store, self.rank, self.world_size, opts)
@@ -253,14 +253,18 @@ class WeightChannel:
         self._bcast(torch.zeros(1, dtype=torch.int64, device=self.device)).wait(self.timeout)
         return self
 
-    def _gate(self, store: Any) -> None:
-        """Set-up: wait until every rank has reached the channel, or one of them failed.
+    def pass_gate(self, prefix: str = "twinkle-weights", count: int = 1) -> None:
+        """Set-up: wait until every rank has reached the channel (group ``prefix``), or one failed.
 
-        Each rank but the host counts itself in; the last one opens the gate. A rank that fails
-        before it gets there writes its error into the gate instead (:meth:`refuse`), so no rank
-        waits in the rendezvous for the whole timeout. Bounded by the channel's timeout.
+        Each rank but the source (rank 0) counts itself in (``count``: the receivers this end stands
+        for); the last one opens the gate. A rank that fails before it gets there writes its error
+        into the gate instead (:meth:`refuse`), so no rank waits in the rendezvous for the whole
+        timeout. Bounded by the channel's timeout.
         """
-        if self.rank != 0 and store.add("arrived", 1) == self.world_size - 1:
+        import torch.distributed as dist
+
+        store = dist.PrefixStore(prefix, self.store)
+        if self.rank != 0 and store.add("arrived", count) == self.world_size - 1:
             store.set("gate", "open")
         store.wait(["gate"], self.timeout)
         state = store.get("gate").decode()

@@ -109,12 +109,40 @@ from .weight_channel import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ReceiverEnd", "SyncHandle", "SyncStats", "TensorSource", "WeightChannel", "WeightSync",
-           "WeightSyncMixin",
+__all__ = ["VLLM_NCCL", "ReceiverEnd", "SyncHandle", "SyncStats", "TensorSource", "WeightChannel", "WeightSync",
+           "WeightSyncMixin", "choose_backend",
            "fingerprint", "load_into", "sync_weights"]
 
 SYNC_GRACE_S = 3.0  # after one end of a sync failed, how long the others get to finish
 SETTLE_READ_S = 30.0  # reading the outcome of an end that has finished or was torn down
+
+
+# ------------------------------------------------------------------------------ the backend
+VLLM_NCCL = "vllm_nccl"  # every receiver a vLLM engine on CUDA: vLLM's NCCL engine, both sides (not run here)
+
+
+def choose_backend(backend: str | None, source: list[dict], targets: list[list[dict]]) -> str:
+    """The set-up's backend from the probes (``source``: the source gang's, ``targets``: each target
+    gang's; one dict per receiver): ``backend`` if given; :data:`VLLM_NCCL` when every end has CUDA
+    and every receiver is a vLLM engine (``transfer: vllm_nccl``); else ``nccl`` when every end has
+    CUDA, ``gloo`` otherwise.
+
+    >>> choose_backend(None, [{"cuda": True}], [[{"cuda": True, "transfer": "vllm_nccl"}]])
+    'vllm_nccl'
+    >>> choose_backend(None, [{"cuda": True}], [[{"cuda": False}]])
+    'gloo'
+    """
+    receivers = [x for gang in targets for x in gang]
+    engines = [x for x in receivers if x.get("transfer") == VLLM_NCCL]
+    if engines and len(engines) != len(receivers):
+        raise ValueError(f"weight sync: {len(engines)} of {len(receivers)} receivers take weights only through "
+                         f"vLLM's NCCL engine, the others through twinkle_ray's channel; sync them with "
+                         f"separate sync_weights calls")
+    if backend is not None:
+        return backend
+    if all(x["cuda"] for x in [*source, *receivers]):
+        return VLLM_NCCL if engines else "nccl"
+    return "gloo"
 
 
 # ------------------------------------------------------------------------------ the mixin
@@ -347,7 +375,7 @@ class WeightSyncMixin:
                                f"{lane}; rank 0 hosts the weight sync channel and must send on lane 0")
         plan = WeightSync._rank_plan(list(targets))
         world_size = 1 + sum(len(pairs) for gang in plan for pairs in gang.values())
-        backend = backend or ("nccl" if all(x["cuda"] for p in (source, *targets) for x in p) else "gloo")
+        backend = choose_backend(backend, source, list(targets))
         old = self._weight_channels().pop(channel, None)
         if old is not None:
             old.close()
@@ -380,6 +408,12 @@ class WeightSyncMixin:
                     old.close()
                 ch = self._weight_channels()[channel] = WeightChannel.connect(
                     addr, port, 0, setup["world_size"], setup["timeout_s"])
+            if setup["backend"] == VLLM_NCCL:  # vLLM's NCCL trainer endpoint, the receivers' engines join it
+                from .integrations.vllm_trainer import VLLMNcclSource
+
+                ch.pass_gate(lane_prefix(channel, lane))
+                self._weight_channels()[channel] = VLLMNcclSource(ch, channel, lane)
+                return [0] if lane == 0 else []
             ch.join(setup["backend"], prefix=lane_prefix(channel, lane))
             ch.peer_wait = timedelta(seconds=PEER_WAIT_S)  # the targets' gangs may still be busy
             return [ch.rank] if lane == 0 else []  # channel rank 0 is the source role, once
