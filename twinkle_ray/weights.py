@@ -73,7 +73,11 @@ calling :func:`sync_weights` (or a :class:`WeightSync`) from the driver::
 Backends: gloo when any end has no CUDA device, else NCCL (override with
 ``backend=``). NCCL needs the source and the receivers on distinct GPUs (not
 colocated groups); use gloo there. The NCCL path is written to torch's
-public API but has not been run on GPUs in this repository's CI.
+public API but has not been run on GPUs in this repository's CI. When every
+receiver is a vLLM engine on CUDA (its probe says ``transfer: vllm_nccl``) the
+backend is :data:`VLLM_NCCL`: each lane's source opens vLLM's own NCCL trainer
+endpoint instead (:mod:`twinkle_ray.integrations.vllm_trainer`), and the
+engines receive through vLLM's weight-transfer API -- not run here (no GPU).
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ Weight sync (:mod:`twinkle_ray.weights`) goes through vLLM's own weight-transfer
 API: the engine is built with ``weight_transfer_config`` -- on CPU twinkle_ray's
 engine (:mod:`twinkle_ray.integrations.vllm_engine`, gloo over twinkle_ray's
 channel, registered with vLLM's ``WeightTransferEngineFactory``), on CUDA vLLM's
-``nccl`` engine (``nccl_m2n`` is vLLM's resharding option; not run here). The
+NCCL engine with a communicator per lane, the trainer's sources opening vLLM's
+NCCL trainer endpoint (``nccl_m2n`` is vLLM's resharding option; not run here). The
 sampler maps the receiver operations of :class:`~twinkle_ray.weights.WeightSyncMixin`
 onto ``LLM.init_weight_transfer_engine`` (join the channel, every lane: one per
 trainer pipeline stage) and ``start_weight_update`` / ``update_weights`` /
