@@ -291,6 +291,26 @@ class WeightChannel:
         except Exception:  # the host is gone too: nobody is left waiting on it
             logger.debug("weight sync: could not refuse the set-up at %s:%s", addr, port, exc_info=True)
 
+    @staticmethod
+    def leave(addr: str, port: int, message: str, timeout_s: float = 10.0) -> None:
+        """Say why this end leaves an established channel (best effort), before it closes: the ends
+        whose wait its closing ends raise :class:`PeerFailed` with ``message`` (an echo, not a cause)."""
+        import torch.distributed as dist
+
+        try:
+            dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s)).set("failed", message)
+        except Exception:  # the host is gone too: nobody is left waiting on it
+            logger.debug("weight sync: could not say why this end left %s:%s", addr, port, exc_info=True)
+
+    def peer_failure(self) -> str | None:
+        """What an end that left this channel said (:meth:`leave`), or None; never waits."""
+        try:
+            if self.store is not None and self.store.check(["failed"]):
+                return self.store.get("failed").decode()
+        except Exception:  # the store went with its host
+            logger.debug("weight sync: could not read why a peer left", exc_info=True)
+        return None
+
     def arrive(self) -> None:
         """Wait until every end has reached this sync (the first step of a send and a receive).
 
@@ -366,8 +386,11 @@ class WeightChannel:
             else:
                 take, drain = (lambda bucket: [items[i][1] for i in bucket]), (lambda: None)
             return self._send(specs, buckets, take, drain, prints, prepare_s)
-        except BaseException:
+        except BaseException as e:
+            told = self.peer_failure()  # a receiver that failed said why before it left
             self.close()  # broken mid-transfer: closing it ends the peers' waits at once
+            if told is not None:
+                raise PeerFailed(f"weight sync: a receiver failed: {told}") from e
             raise
 
     def _send(self, specs: list, buckets: list, take: Any, drain: Any, prints: dict,
@@ -489,6 +512,10 @@ class WeightChannel:
 
 class SetupRefused(RuntimeError):
     """An end's error when another end told the set-up gate that it failed (:meth:`WeightChannel.refuse`)."""
+
+
+class PeerFailed(RuntimeError):
+    """An end's error when its transfer broke because another end failed and said why (:meth:`WeightChannel.leave`)."""
 
 
 class SourceFailed(RuntimeError):
@@ -614,9 +641,12 @@ def receive_lanes(channels: Sequence[WeightChannel],
     try:
         for ch in channels:
             ch.arrive()  # bounded by peer_wait: the sources may still be busy with earlier calls
-    except BaseException:
+    except BaseException as e:
+        told = channels[0].peer_failure()  # another receiver that failed said why before it left
         for ch in channels:
             ch.close()  # broken: closing them ends the other ends' waits at once
+        if told is not None:
+            raise PeerFailed(f"weight sync: another receiver failed: {told}") from e
         raise
     start = time.perf_counter()  # the transfer: from the moment every end is here
     error: BaseException | None = None

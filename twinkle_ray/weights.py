@@ -97,6 +97,7 @@ from .weight_channel import (
     DEFAULT_BUCKET_MB,
     DEFAULT_TIMEOUT_S,
     PEER_WAIT_S,
+    PeerFailed,
     ReceiverEnd,
     SetupRefused,
     SourceFailed,
@@ -421,6 +422,7 @@ class WeightSyncMixin:
             ch.join(setup["backend"], prefix=lane_prefix(channel, lane))
             ch.peer_wait = timedelta(seconds=PEER_WAIT_S)  # the targets' gangs may still be busy
             return [ch.rank] if lane == 0 else []  # channel rank 0 is the source role, once
+        self.__dict__.setdefault("_twinkle_channel_hosts", {})[channel] = (addr, port)  # for leave()
         try:
             mine = setup["plan"][gang].get(get_rank())
             if not mine:
@@ -499,7 +501,11 @@ class WeightSyncMixin:
         """
         try:
             return [SyncStats(**got) for got in self.weight_sync_fanout("recv", channel)]
-        except BaseException:
+        except BaseException as e:
+            where = self.__dict__.get("_twinkle_channel_hosts", {}).get(channel)
+            if where is not None and not _is_echo(e):
+                WeightChannel.leave(*where, f"{type(self).__name__}.weight_sync_recv on rank {get_rank()}: "
+                                            f"{type(e).__name__}: {e}")
             try:
                 self.weight_sync_fanout("close", channel)
             except Exception:  # best effort: the original error is the one to raise
@@ -809,7 +815,7 @@ class SyncHandle(Pending):
 
 def _is_echo(e: BaseException) -> bool:
     """An end's error that only repeats another end's failure."""
-    return isinstance(e, SourceFailed | SetupRefused)
+    return isinstance(e, SourceFailed | SetupRefused | PeerFailed)
 
 
 def _root_error(error: BaseException, lazy: Any) -> BaseException:
