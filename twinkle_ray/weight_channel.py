@@ -42,6 +42,7 @@ DEFAULT_TIMEOUT_S = 300.0
 # may still be running the calls made before it). Not the transfer's timeout: that starts once
 # every end has arrived. A death ends this wait at once (the dead peer's connections close).
 PEER_WAIT_S = 24 * 3600.0
+PEER_FAILURE_READ_S = 2.0  # reading why a peer left a broken channel (its store's host may be dying)
 _FP_CHUNK = 1 << 20
 _INT_VIEW = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
@@ -292,9 +293,11 @@ class WeightChannel:
             logger.debug("weight sync: could not refuse the set-up at %s:%s", addr, port, exc_info=True)
 
     @staticmethod
-    def leave(addr: str, port: int, message: str, timeout_s: float = 10.0) -> None:
+    def leave(addr: str, port: int, message: str, timeout_s: float = PEER_FAILURE_READ_S / 2) -> None:
         """Say why this end leaves an established channel (best effort), before it closes: the ends
-        whose wait its closing ends raise :class:`PeerFailed` with ``message`` (an echo, not a cause)."""
+        whose wait its closing ends raise :class:`PeerFailed` with ``message`` (an echo, not a cause).
+        Bounded by a short ``timeout_s``: when the failure was the host's death, connecting to its
+        store only retries until then, and this end must leave within the sync's grace."""
         import torch.distributed as dist
 
         try:
@@ -303,8 +306,11 @@ class WeightChannel:
             logger.debug("weight sync: could not say why this end left %s:%s", addr, port, exc_info=True)
 
     def peer_failure(self) -> str | None:
-        """What an end that left this channel said (:meth:`leave`), or None; never waits."""
+        """What an end that left this channel said (:meth:`leave`), or None; waits at most
+        ``PEER_FAILURE_READ_S`` (the store's host may be going down too)."""
         try:
+            if self.store is not None:
+                self.store.set_timeout(timedelta(seconds=PEER_FAILURE_READ_S))  # the channel is closing
             if self.store is not None and self.store.check(["failed"]):
                 return self.store.get("failed").decode()
         except Exception:  # the store went with its host

@@ -503,7 +503,9 @@ class WeightSyncMixin:
             return [SyncStats(**got) for got in self.weight_sync_fanout("recv", channel)]
         except BaseException as e:
             where = self.__dict__.get("_twinkle_channel_hosts", {}).get(channel)
-            if where is not None and not _is_echo(e):
+            # Only an end still joined says why: one whose transport broke has closed its channel
+            # already (the peers know), and its store's host may be the end that died.
+            if where is not None and not _is_echo(e) and all(self.weight_sync_fanout("ready", channel)):
                 WeightChannel.leave(*where, f"{type(self).__name__}.weight_sync_recv on rank {get_rank()}: "
                                             f"{type(e).__name__}: {e}")
             try:
