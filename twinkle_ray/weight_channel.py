@@ -42,6 +42,7 @@ DEFAULT_TIMEOUT_S = 300.0
 # may still be running the calls made before it). Not the transfer's timeout: that starts once
 # every end has arrived. A death ends this wait at once (the dead peer's connections close).
 PEER_WAIT_S = 24 * 3600.0
+PEER_FAILURE_READ_S = 2.0  # reading why a peer left a broken channel (its store's host may be dying)
 _FP_CHUNK = 1 << 20
 _INT_VIEW = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
@@ -237,8 +238,8 @@ class WeightChannel:
         import torch
         import torch.distributed as dist
 
+        self.pass_gate(prefix)
         store = dist.PrefixStore(prefix, self.store)
-        self._gate(store)
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             self.pg = dist.ProcessGroupNCCL(store, self.rank, self.world_size, opts)
@@ -253,14 +254,18 @@ class WeightChannel:
         self._bcast(torch.zeros(1, dtype=torch.int64, device=self.device)).wait(self.timeout)
         return self
 
-    def _gate(self, store: Any) -> None:
-        """Set-up: wait until every rank has reached the channel, or one of them failed.
+    def pass_gate(self, prefix: str = "twinkle-weights", count: int = 1) -> None:
+        """Set-up: wait until every rank has reached the channel (group ``prefix``), or one failed.
 
-        Each rank but the host counts itself in; the last one opens the gate. A rank that fails
-        before it gets there writes its error into the gate instead (:meth:`refuse`), so no rank
-        waits in the rendezvous for the whole timeout. Bounded by the channel's timeout.
+        Each rank but the source (rank 0) counts itself in (``count``: the receivers this end stands
+        for); the last one opens the gate. A rank that fails before it gets there writes its error
+        into the gate instead (:meth:`refuse`), so no rank waits in the rendezvous for the whole
+        timeout. Bounded by the channel's timeout.
         """
-        if self.rank != 0 and store.add("arrived", 1) == self.world_size - 1:
+        import torch.distributed as dist
+
+        store = dist.PrefixStore(prefix, self.store)
+        if self.rank != 0 and store.add("arrived", count) == self.world_size - 1:
             store.set("gate", "open")
         store.wait(["gate"], self.timeout)
         state = store.get("gate").decode()
@@ -269,19 +274,48 @@ class WeightChannel:
 
     @staticmethod
     def refuse(addr: str, port: int, message: str, prefix: str = "twinkle-weights",
-               timeout_s: float = 10.0) -> None:
+               timeout_s: float = 10.0, channel: str | None = None) -> None:
         """Tell every end of a channel being set up that this one failed (best effort).
 
         The ends waiting at the set-up gate raise ``message`` at once instead of waiting for
-        their timeout.
+        their timeout. ``channel``: refuse the gate of every lane the host announced
+        (:func:`lane_prefix`; each lane's source waits at its own), instead of ``prefix`` alone.
         """
         import torch.distributed as dist
 
         try:
             store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-            dist.PrefixStore(prefix, store).set("gate", message)
+            lanes = int(store.get("lanes")) if channel is not None else 1
+            prefixes = [lane_prefix(channel, k) for k in range(lanes)] if channel is not None else [prefix]
+            for p in prefixes:
+                dist.PrefixStore(p, store).set("gate", message)
         except Exception:  # the host is gone too: nobody is left waiting on it
             logger.debug("weight sync: could not refuse the set-up at %s:%s", addr, port, exc_info=True)
+
+    @staticmethod
+    def leave(addr: str, port: int, message: str, timeout_s: float = PEER_FAILURE_READ_S / 2) -> None:
+        """Say why this end leaves an established channel (best effort), before it closes: the ends
+        whose wait its closing ends raise :class:`PeerFailed` with ``message`` (an echo, not a cause).
+        Bounded by a short ``timeout_s``: when the failure was the host's death, connecting to its
+        store only retries until then, and this end must leave within the sync's grace."""
+        import torch.distributed as dist
+
+        try:
+            dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s)).set("failed", message)
+        except Exception:  # the host is gone too: nobody is left waiting on it
+            logger.debug("weight sync: could not say why this end left %s:%s", addr, port, exc_info=True)
+
+    def peer_failure(self) -> str | None:
+        """What an end that left this channel said (:meth:`leave`), or None; waits at most
+        ``PEER_FAILURE_READ_S`` (the store's host may be going down too)."""
+        try:
+            if self.store is not None:
+                self.store.set_timeout(timedelta(seconds=PEER_FAILURE_READ_S))  # the channel is closing
+            if self.store is not None and self.store.check(["failed"]):
+                return self.store.get("failed").decode()
+        except Exception:  # the store went with its host
+            logger.debug("weight sync: could not read why a peer left", exc_info=True)
+        return None
 
     def arrive(self) -> None:
         """Wait until every end has reached this sync (the first step of a send and a receive).
@@ -358,8 +392,11 @@ class WeightChannel:
             else:
                 take, drain = (lambda bucket: [items[i][1] for i in bucket]), (lambda: None)
             return self._send(specs, buckets, take, drain, prints, prepare_s)
-        except BaseException:
+        except BaseException as e:
+            told = self.peer_failure()  # a receiver that failed said why before it left
             self.close()  # broken mid-transfer: closing it ends the peers' waits at once
+            if told is not None:
+                raise PeerFailed(f"weight sync: a receiver failed: {told}") from e
             raise
 
     def _send(self, specs: list, buckets: list, take: Any, drain: Any, prints: dict,
@@ -481,6 +518,10 @@ class WeightChannel:
 
 class SetupRefused(RuntimeError):
     """An end's error when another end told the set-up gate that it failed (:meth:`WeightChannel.refuse`)."""
+
+
+class PeerFailed(RuntimeError):
+    """An end's error when its transfer broke because another end failed and said why (:meth:`WeightChannel.leave`)."""
 
 
 class SourceFailed(RuntimeError):
@@ -606,9 +647,12 @@ def receive_lanes(channels: Sequence[WeightChannel],
     try:
         for ch in channels:
             ch.arrive()  # bounded by peer_wait: the sources may still be busy with earlier calls
-    except BaseException:
+    except BaseException as e:
+        told = channels[0].peer_failure()  # another receiver that failed said why before it left
         for ch in channels:
             ch.close()  # broken: closing them ends the other ends' waits at once
+        if told is not None:
+            raise PeerFailed(f"weight sync: another receiver failed: {told}") from e
         raise
     start = time.perf_counter()  # the transfer: from the moment every end is here
     error: BaseException | None = None

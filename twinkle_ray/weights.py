@@ -73,7 +73,11 @@ calling :func:`sync_weights` (or a :class:`WeightSync`) from the driver::
 Backends: gloo when any end has no CUDA device, else NCCL (override with
 ``backend=``). NCCL needs the source and the receivers on distinct GPUs (not
 colocated groups); use gloo there. The NCCL path is written to torch's
-public API but has not been run on GPUs in this repository's CI.
+public API but has not been run on GPUs in this repository's CI. When every
+receiver is a vLLM engine on CUDA (its probe says ``transfer: vllm_nccl``) the
+backend is :data:`VLLM_NCCL`: each lane's source opens vLLM's own NCCL trainer
+endpoint instead (:mod:`twinkle_ray.integrations.vllm_trainer`), and the
+engines receive through vLLM's weight-transfer API -- not run here (no GPU).
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ from .weight_channel import (
     DEFAULT_BUCKET_MB,
     DEFAULT_TIMEOUT_S,
     PEER_WAIT_S,
+    PeerFailed,
     ReceiverEnd,
     SetupRefused,
     SourceFailed,
@@ -109,12 +114,40 @@ from .weight_channel import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ReceiverEnd", "SyncHandle", "SyncStats", "TensorSource", "WeightChannel", "WeightSync",
-           "WeightSyncMixin",
+__all__ = ["VLLM_NCCL", "ReceiverEnd", "SyncHandle", "SyncStats", "TensorSource", "WeightChannel", "WeightSync",
+           "WeightSyncMixin", "choose_backend",
            "fingerprint", "load_into", "sync_weights"]
 
 SYNC_GRACE_S = 3.0  # after one end of a sync failed, how long the others get to finish
 SETTLE_READ_S = 30.0  # reading the outcome of an end that has finished or was torn down
+
+
+# ------------------------------------------------------------------------------ the backend
+VLLM_NCCL = "vllm_nccl"  # every receiver a vLLM engine on CUDA: vLLM's NCCL engine, both sides (not run here)
+
+
+def choose_backend(backend: str | None, source: list[dict], targets: list[list[dict]]) -> str:
+    """The set-up's backend from the probes (``source``: the source gang's, ``targets``: each target
+    gang's; one dict per receiver): ``backend`` if given; :data:`VLLM_NCCL` when every end has CUDA
+    and every receiver is a vLLM engine (``transfer: vllm_nccl``); else ``nccl`` when every end has
+    CUDA, ``gloo`` otherwise.
+
+    >>> choose_backend(None, [{"cuda": True}], [[{"cuda": True, "transfer": "vllm_nccl"}]])
+    'vllm_nccl'
+    >>> choose_backend(None, [{"cuda": True}], [[{"cuda": False}]])
+    'gloo'
+    """
+    receivers = [x for gang in targets for x in gang]
+    engines = [x for x in receivers if x.get("transfer") == VLLM_NCCL]
+    if engines and len(engines) != len(receivers):
+        raise ValueError(f"weight sync: {len(engines)} of {len(receivers)} receivers take weights only through "
+                         f"vLLM's NCCL engine, the others through twinkle_ray's channel; sync them with "
+                         f"separate sync_weights calls")
+    if backend is not None:
+        return backend
+    if all(x["cuda"] for x in [*source, *receivers]):
+        return VLLM_NCCL if engines else "nccl"
+    return "gloo"
 
 
 # ------------------------------------------------------------------------------ the mixin
@@ -347,7 +380,7 @@ class WeightSyncMixin:
                                f"{lane}; rank 0 hosts the weight sync channel and must send on lane 0")
         plan = WeightSync._rank_plan(list(targets))
         world_size = 1 + sum(len(pairs) for gang in plan for pairs in gang.values())
-        backend = backend or ("nccl" if all(x["cuda"] for p in (source, *targets) for x in p) else "gloo")
+        backend = choose_backend(backend, source, list(targets))
         old = self._weight_channels().pop(channel, None)
         if old is not None:
             old.close()
@@ -380,9 +413,16 @@ class WeightSyncMixin:
                     old.close()
                 ch = self._weight_channels()[channel] = WeightChannel.connect(
                     addr, port, 0, setup["world_size"], setup["timeout_s"])
+            if setup["backend"] == VLLM_NCCL:  # vLLM's NCCL trainer endpoint, the receivers' engines join it
+                from .integrations.vllm_trainer import VLLMNcclSource
+
+                ch.pass_gate(lane_prefix(channel, lane))
+                self._weight_channels()[channel] = VLLMNcclSource(ch, channel, lane)
+                return [0] if lane == 0 else []
             ch.join(setup["backend"], prefix=lane_prefix(channel, lane))
             ch.peer_wait = timedelta(seconds=PEER_WAIT_S)  # the targets' gangs may still be busy
             return [ch.rank] if lane == 0 else []  # channel rank 0 is the source role, once
+        self.__dict__.setdefault("_twinkle_channel_hosts", {})[channel] = (addr, port)  # for leave()
         try:
             mine = setup["plan"][gang].get(get_rank())
             if not mine:
@@ -394,7 +434,7 @@ class WeightSyncMixin:
             raise  # another end failed first and said so
         except Exception as e:
             WeightChannel.refuse(addr, port, f"{type(self).__name__}.weight_sync_join on rank {get_rank()}: "
-                                             f"{type(e).__name__}: {e}", prefix=lane_prefix(channel, 0))
+                                             f"{type(e).__name__}: {e}", channel=channel)  # every lane
             raise
 
     @remote_function(dispatch="all", collect="flatten")
@@ -453,8 +493,26 @@ class WeightSyncMixin:
 
     @remote_function(dispatch="all", collect="flatten")
     def weight_sync_recv(self, channel: str) -> list[SyncStats]:
-        """Receivers: every end of this worker takes one sync; their figures."""
-        return [SyncStats(**got) for got in self.weight_sync_fanout("recv", channel)]
+        """Receivers: every end of this worker takes one sync; their figures.
+
+        A receiver that fails (before it reached the sync too) leaves the channel: the source and
+        the other receivers, waiting for it to arrive, see its connections close and end their
+        wait at once, so no gang is held until the driver reads the sync (set up again next time).
+        """
+        try:
+            return [SyncStats(**got) for got in self.weight_sync_fanout("recv", channel)]
+        except BaseException as e:
+            where = self.__dict__.get("_twinkle_channel_hosts", {}).get(channel)
+            # Only an end still joined says why: one whose transport broke has closed its channel
+            # already (the peers know), and its store's host may be the end that died.
+            if where is not None and not _is_echo(e) and all(self.weight_sync_fanout("ready", channel)):
+                WeightChannel.leave(*where, f"{type(self).__name__}.weight_sync_recv on rank {get_rank()}: "
+                                            f"{type(e).__name__}: {e}")
+            try:
+                self.weight_sync_fanout("close", channel)
+            except Exception:  # best effort: the original error is the one to raise
+                logger.debug("weight sync %s: closing a failed receiver failed", channel, exc_info=True)
+            raise
 
     @remote_function(dispatch="all")
     def weight_sync_close(self, channel: str, role: str | None = None) -> None:
@@ -615,12 +673,22 @@ class WeightSync:
 
         owner: dict = {}
         failed: list[int] = []
+        asked = time.monotonic()
         for k, (_, lazy) in enumerate(ends):
+            # A call waits in its dispatcher (a rebuild, a stuck check) before its plan comes back:
+            # a caller's bound (abort_late False: get(timeout)) covers that wait too.
+            bound = None if abort_late or wait_s is None else max(0.0, wait_s - (time.monotonic() - asked))
             try:
-                owner.update({ref: k for ref in lazy.refs})
+                owner.update({ref: k for ref in lazy.plan(bound).refs})
+            except CallTimeoutError as e:
+                if bound is None:
+                    failed.append(k)
+                    continue
+                raise CallTimeoutError(f"weight sync {self.channel}: not finished within {wait_s:g}s "
+                                       f"({e})", []) from None
             except Exception:  # the gang could not take the call (dead, stopped)
                 failed.append(k)
-        start = time.monotonic()
+        start = time.monotonic() if abort_late or wait_s is None else asked
         failed_at = start if failed else None
         pending = list(owner)
         while pending:
@@ -708,7 +776,9 @@ class SyncHandle(Pending):
     def get(self, timeout: float | None = None) -> SyncStats | None:
         """The source's SyncStats once both sides are done; raises the sync's error.
 
-        ``timeout``: raise CallTimeoutError if it has not finished by then (the sync goes on).
+        ``timeout``: raise CallTimeoutError (naming the sync) if it has not finished by then; it
+        bounds the whole get, the wait for a call that has not started on any rank yet included
+        (the sync goes on).
         """
         if not self._settled:
             self._settle(timeout)
@@ -747,7 +817,7 @@ class SyncHandle(Pending):
 
 def _is_echo(e: BaseException) -> bool:
     """An end's error that only repeats another end's failure."""
-    return isinstance(e, SourceFailed | SetupRefused)
+    return isinstance(e, SourceFailed | SetupRefused | PeerFailed)
 
 
 def _root_error(error: BaseException, lazy: Any) -> BaseException:

@@ -20,33 +20,55 @@ with ``model.load_weights`` between the start and finish of vLLM's layer-wise re
     llm.update_weights({"update_info": update_info(channel)})    # the trainer sends meanwhile
     llm.finish_weight_update()
 
-On CUDA the sampler selects vLLM's own ``nccl`` engine instead (:data:`CUDA_BACKEND`; its M-to-N
-resharding engine ``nccl_m2n`` is the option for TP-sharded receivers and several sources) -- see
-:func:`transfer_config`. That path is written to vLLM's API and has not run here (no GPU).
+On CUDA the sampler selects vLLM's own NCCL engine instead -- see :func:`transfer_config`:
+:class:`LaneNCCLWeightTransferEngine` (:data:`CUDA_BACKEND`) is vLLM's ``NCCLWeightTransferEngine``
+holding one communicator per lane (one per trainer pipeline stage; vLLM's keeps one, with one
+sender); joining, receiving (packed NCCL broadcast) and the layer-wise reload are vLLM's. The trainer
+side is vLLM's ``NCCLTrainerWeightTransferEngine``, opened by each lane's source
+(:mod:`twinkle_ray.integrations.vllm_trainer`); :class:`NcclReceivers` reads what it publishes and
+drives ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update``. vLLM's M-to-N engine ``nccl_m2n`` (:data:`RESHARDING_BACKEND`) is the
+option for TP-sharded receivers taking only their shard. The CUDA path is written to vLLM's API
+and has not run here (no GPU); the tests replace NCCL with recording fakes.
 
 This module imports vLLM; nothing in twinkle_ray imports it but a sampler that builds a vLLM engine.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 from vllm.config import WeightTransferConfig
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.nccl_engine import (
+    NCCLWeightTransferEngine,
+    NCCLWeightTransferInitInfo,
+    NCCLWeightTransferUpdateInfo,
+)
 
-from ..weight_channel import ReceiverEnd
+from ..weight_channel import (
+    PEER_WAIT_S,
+    ReceiverEnd,
+    SourceFailed,
+    WeightChannel,
+    _dtype,
+    lane_prefix,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BACKEND", "CUDA_BACKEND", "RESHARDING_BACKEND", "TwinkleWeightTransferEngine", "init_info",
-           "register", "transfer_config", "update_info"]
+__all__ = ["BACKEND", "CUDA_BACKEND", "RESHARDING_BACKEND", "LaneNCCLWeightTransferEngine", "NcclReceivers",
+           "TwinkleWeightTransferEngine", "init_info", "register", "transfer_config", "update_info"]
 
 BACKEND = "twinkle_gloo"  # registered by register(): twinkle_ray's channel, gloo (CPU)
-CUDA_BACKEND = "nccl"  # vLLM's own dense NCCL engine (one source, full tensors to every receiver)
+CUDA_BACKEND = "twinkle_nccl"  # vLLM's dense NCCL engine, one communicator per lane (full tensors to every receiver)
 RESHARDING_BACKEND = "nccl_m2n"  # vLLM's M-to-N engine: sharded receivers, several sources
 
 
@@ -127,18 +149,146 @@ class TwinkleWeightTransferEngine(WeightTransferEngine[TwinkleInitInfo, TwinkleU
             self.end.close(channel)
 
 
+# ------------------------------------------------------------------------------ CUDA: vLLM's NCCL engine
+@dataclass(kw_only=True)
+class LaneNCCLInitInfo(NCCLWeightTransferInitInfo):
+    """vLLM's NCCL worker init info, and the lane (trainer source) whose group it joins."""
+
+    lane: int = 0
+
+
+@dataclass
+class LaneNCCLUpdateInfo(NCCLWeightTransferUpdateInfo):
+    """vLLM's NCCL update info (names, dtype names, shapes), and the lane it comes from."""
+
+    lane: int = 0
+
+
+class LaneNCCLWeightTransferEngine(NCCLWeightTransferEngine):
+    """vLLM's ``NCCLWeightTransferEngine`` with one communicator per lane: a pipeline-parallel trainer's
+    stages each send their own layers from rank 0 of a group of their own (vLLM's engine holds one
+    group, with one sender). ``init_weight_transfer_engine`` is called once per lane; each
+    ``update_weights`` names its lane. Joining and receiving are vLLM's own (not run here: no GPU).
+    """
+
+    init_info_cls = LaneNCCLInitInfo
+    update_info_cls = LaneNCCLUpdateInfo
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.lanes: dict[int, Any] = {}
+
+    def init_transfer_engine(self, init_info: LaneNCCLInitInfo) -> None:
+        """Join lane ``init_info.lane``'s group (vLLM's rendezvous, rank = rank_offset + worker rank)."""
+        old = self.lanes.pop(init_info.lane, None)
+        if old is not None:
+            old.destroy()
+        super().init_transfer_engine(init_info)
+        self.lanes[init_info.lane] = self.model_update_group
+
+    def receive_weights(self, update_info: LaneNCCLUpdateInfo) -> None:
+        """Receive one lane's tensors with vLLM's NCCL receive, on that lane's communicator."""
+        group = self.lanes.get(update_info.lane)
+        if group is None:
+            raise RuntimeError(f"{type(self).__name__}: lane {update_info.lane} was not initialised "
+                               f"(lanes {sorted(self.lanes)})")
+        self.model_update_group = group
+        super().receive_weights(update_info)
+
+    def shutdown(self) -> None:
+        for group in self.lanes.values():
+            group.destroy()
+        self.lanes.clear()
+        self.model_update_group = None
+
+
+class NcclReceivers:
+    """One vLLM engine's receivers of a weight-sync channel on CUDA, driving vLLM's API on its ``LLM``.
+
+    The trainer's sources open vLLM's NCCL trainer endpoint (:mod:`twinkle_ray.integrations.vllm_trainer`)
+    and publish into the channel's store, per lane, the worker init info and each sync's update info.
+    :meth:`join` passes each lane's set-up gate and calls ``init_weight_transfer_engine`` with that
+    init info (``rank_offset`` = this engine's first channel rank: its TP workers take the ranks after
+    it); :meth:`recv` reads every lane's update info for the next sync, then ``start_weight_update``,
+    ``update_weights`` per lane and ``finish_weight_update``.
+
+    >>> # rx = NcclReceivers.join(llm, channel, addr, port, [[0, 1], [1, 2]], world_size=3, timeout_s=300)
+    >>> # figures = rx.recv(llm)        # one dict per receiver (TP worker) of the engine
+    """
+
+    def __init__(self, channel: str, end: WeightChannel, receivers: int, lanes: int):
+        self.channel, self.end, self.receivers, self.lanes = channel, end, receivers, lanes
+        self.syncs = 0
+
+    @classmethod
+    def join(cls, llm: Any, channel: str, addr: str, port: int, ranks: list, world_size: int,
+             timeout_s: float) -> NcclReceivers:
+        """Join every lane of ``channel`` (``ranks``: [[receiver index, channel rank], ...] of this engine)."""
+        from .vllm_trainer import lane_store
+
+        first = min(int(r) for _, r in ranks)
+        if sorted(int(r) for _, r in ranks) != list(range(first, first + len(ranks))):
+            raise ValueError(f"weight sync channel {channel!r}: vLLM ranks its workers from one offset, but "
+                             f"this engine's channel ranks are {list(ranks)}")
+        end = WeightChannel.connect(addr, int(port), first, int(world_size), float(timeout_s))
+        rx = cls(channel, end, len(ranks), end.lanes())
+        for k in range(rx.lanes):
+            end.pass_gate(lane_prefix(channel, k), count=len(ranks))
+            keys = lane_store(end.store, channel, k)
+            keys.wait(["init"], end.timeout)
+            payload = {**json.loads(keys.get("init").decode()), "rank_offset": first, "lane": k}
+            llm.init_weight_transfer_engine({"init_info": payload})
+        return rx
+
+    def recv(self, llm: Any) -> list[dict]:
+        """Take one sync (every lane) through vLLM's API; figures per receiver. A lane whose source
+        failed before sending does not stop the others; its error is raised at the end."""
+        from .vllm_trainer import lane_store
+
+        infos = []
+        for k in range(self.lanes):  # the sources may still be busy with earlier calls: the peer wait
+            keys = lane_store(self.end.store, self.channel, k)
+            keys.wait([f"update/{self.syncs}"], timedelta(seconds=PEER_WAIT_S))
+            infos.append(json.loads(keys.get(f"update/{self.syncs}").decode()))
+        self.syncs += 1
+        start = time.perf_counter()
+        llm.start_weight_update()
+        for k, info in enumerate(infos):
+            if "error" not in info:
+                llm.update_weights({"update_info": {**info, "lane": k}})
+        llm.finish_weight_update()
+        seconds = time.perf_counter() - start
+        failed = [info["error"] for info in infos if "error" in info]
+        if failed:
+            raise SourceFailed(f"weight sync: the source failed: {failed[0]}")
+        sent = [i for i in infos if "error" not in i]
+        nbytes = sum(_dtype(d).itemsize * int(torch.Size(s).numel())
+                     for i in sent for d, s in zip(i["dtype_names"], i["shapes"], strict=True))
+        figures = {"tensors": sum(len(i["names"]) for i in sent), "bytes": nbytes, "buckets": 0,
+                   "seconds": seconds, "backend": "vllm_nccl", "receivers": self.end.world_size - 1,
+                   "lanes": self.lanes}
+        return [{**figures, "sent_bytes": {}} for _ in range(self.receivers)]
+
+    def close(self) -> None:
+        """Leave the channel's store (the engine's communicators: ``shutdown_weight_transfer_engine``)."""
+        self.end.close()
+
+
 def register() -> str:
-    """Register :class:`TwinkleWeightTransferEngine` with vLLM (once per process); returns its backend name."""
-    try:
-        WeightTransferEngineFactory.register_engine(BACKEND, TwinkleWeightTransferEngine)
-    except ValueError:  # registered already in this process
-        pass
+    """Register twinkle_ray's engines with vLLM (once per process): :class:`TwinkleWeightTransferEngine`
+    (CPU) and :class:`LaneNCCLWeightTransferEngine` (CUDA); returns the CPU one's backend name."""
+    for name, cls in [(BACKEND, TwinkleWeightTransferEngine), (CUDA_BACKEND, LaneNCCLWeightTransferEngine)]:
+        try:
+            WeightTransferEngineFactory.register_engine(name, cls)
+        except ValueError:  # registered already in this process
+            pass
     return BACKEND
 
 
 def transfer_config(device_type: str) -> WeightTransferConfig:
-    """The engine's ``weight_transfer_config``: ours on CPU (registered here), vLLM's ``nccl`` on CUDA."""
-    return WeightTransferConfig(backend=register() if device_type == "cpu" else CUDA_BACKEND)
+    """The engine's ``weight_transfer_config``: ours on CPU, vLLM's NCCL engine per lane on CUDA."""
+    register()
+    return WeightTransferConfig(backend=BACKEND if device_type == "cpu" else CUDA_BACKEND)
 
 
 def init_info(channel: str, addr: str, port: int, ranks: list, world_size: int, backend: str,
