@@ -361,6 +361,7 @@ class VLLMSampler(WeightSyncMixin):
             return [None] * self.tp
         raise ValueError(f"VLLMSampler: unknown weight-sync operation {op!r}")
 
+
 # ------------------------------------------------------------------------------ --balance
 def balanced_sampler(chunk: int | None, base: type = VLLMSampler) -> type:
     """``base`` plus ``generate_grouped``: the same generation with ``dispatch='balance'``
