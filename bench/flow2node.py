@@ -9,11 +9,21 @@ actors), in one rotation. Payload bytes are traced by unpickling (see
 node B (every consumer lives on B), and nothing may pass through the driver
 or a dispatcher.
 
+The transfer floor runs in the same rotation: Ray alone moving the same bytes
+from node A's object store to node B, nothing else. Before its clock starts,
+the raw producers on node A return fresh objects of the flow's chunk sizes
+(four chunks, as the consumers pull them); then the two raw actors on node B
+each ``ray.get`` their two refs in parallel, and the floor is the time from the
+first fetch start to the last byte local (each fetcher's own clock, so the
+driver's call hop is left out). The row prints Ray's inter-raylet rate (MB =
+2**20 bytes), the floor time for the bytes the consumers need, and both flows
+as a ratio to it; the target is twinkle_ray <= 1.5x the floor.
+
 Usage::
 
     python -m bench.flow2node            # 256 MB, 9 rounds
     python -m bench.flow2node --quick    # 32 MB, 3 rounds
-    python -m bench.flow2node --json
+    python -m bench.flow2node --json     # one JSON line (take the line starting with {)
 """
 
 from __future__ import annotations
@@ -24,16 +34,20 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+TARGET_VS_FLOOR = 1.5  # issue 28: the 2-raylet flow within 1.5x Ray's measured transfer floor
 
 
 def run(argv: list[str] | None = None) -> dict:
     """Build the cluster, time the flow on every side, tear it all down; return the row."""
     p = argparse.ArgumentParser(prog="python -m bench.flow2node", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON line on stdout (Ray's raylet warnings may share stdout: take the line "
+                        "starting with {)")
     args = p.parse_args(argv)
     mb, repeats = (32, 3) if args.quick else (256, 9)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -54,9 +68,9 @@ def run(argv: list[str] | None = None) -> dict:
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 4, "resources": {"node_a": 8}, "include_dashboard": False})
-    cluster.add_node(num_cpus=2, resources={"node_b": 8})
     trace_dir = tempfile.mkdtemp(prefix="twinkle-flow2-")
     try:
+        cluster.add_node(num_cpus=2, resources={"node_b": 8})  # inside: a failed start still tears down
         ray.init(address=cluster.address, namespace="twinkle-bench", log_to_driver=False,
                  logging_level="WARNING")
         twinkle.initialize("ray", namespace="twinkle-bench", groups=[
@@ -85,11 +99,29 @@ def run(argv: list[str] | None = None) -> dict:
                            raw_c.actors[1].join.remote(refs[2], refs[3])])
             assert got == expected
 
-        sides = {"twinkle": lambda: flow(prod, cons), "raw": raw}
+        floor_refs: list = []
+        spans: list[float] = []  # the floor's transfer time per run, fetch start to all bytes local
+        puts: list[float] = []  # and its untimed setup's: the chunks made on node A (for the note)
+
+        def floor_setup():  # untimed: fresh chunks in node A's store, as the producers leave them
+            t0 = time.perf_counter()
+            floor_refs[:] = [a.produce.remote(rows, cols, trace_dir) for a in raw_p.actors]
+            ray.wait(floor_refs, num_returns=len(floor_refs), fetch_local=False)
+            puts.append(time.perf_counter() - t0)
+
+        def floor():  # the refs ride in a list, so each fetcher starts its own clock, then pulls
+            got = ray.get([raw_c.actors[0].fetch.remote(floor_refs[:2]),
+                           raw_c.actors[1].fetch.remote(floor_refs[2:])])
+            spans.append(max(end for _, end in got) - min(start for start, _ in got))
+
+        sides = {"twinkle": lambda: flow(prod, cons), "raw": raw, "floor": floor}
+        before = {"floor": floor_setup}
         driver = os.getpid()
         dispatchers = {_pid(x) for x in (prod, cons)} - {None}
         traffic = {}
         for side, fn in sides.items():  # one traced run per side, on its own
+            if side in before:
+                before[side]()
             payload.clear(trace_dir)
             fn()
             seen = payload.bytes_by_pid(trace_dir)
@@ -99,12 +131,26 @@ def run(argv: list[str] | None = None) -> dict:
                 "to_consumers": sum(v for q, v in seen.items() if q != driver and q not in dispatchers),
             }
         payload.clear(trace_dir)
-        samples = compare_many(sides, repeats=repeats, warmup=1)
+        samples = compare_many(sides, repeats=repeats, warmup=1, before=before)
+        transfer = spans[-repeats:]  # the rotation's runs (not the traced one or the warm-up)
         row = {"name": f"F1 2-node flow dp=4 (node A) -> dp=2 (node B), {mb} MB", "unit": "s",
                "payload_bytes_total": mb * 1024 * 1024, "traffic": traffic}
         ratio, paired = ratios(samples["twinkle"], samples["raw"])
         row.update(twinkle_s=statistics.median(samples["twinkle"]), ratio=ratio, paired_ratio=paired,
                    raw_s=statistics.median(samples["raw"]))
+        floor_bytes = traffic["floor"]["to_consumers"]
+        floor_ratio, floor_paired = ratios(samples["twinkle"], transfer)
+        raw_floor, raw_floor_paired = ratios(samples["raw"], transfer)
+        row.update(
+            floor_s=statistics.median(transfer), floor_samples=transfer,
+            floor_call_s=statistics.median(samples["floor"]),  # the driver's clock: + one call hop
+            produce_s=statistics.median(puts[-repeats:]),  # outside the floor: raw producers' 4 chunks
+            floor_bytes=floor_bytes, floor_rate_mb_s=floor_bytes / 2**20 / statistics.median(transfer),
+            floor_ratio=floor_ratio, floor_paired_ratio=floor_paired,
+            raw_floor_ratio=raw_floor, raw_floor_paired_ratio=raw_floor_paired,
+            target=f"<= {TARGET_VS_FLOOR}x the transfer floor",
+            checks=[["floor_ratio", "<=", TARGET_VS_FLOOR]])
+        row["target_met"] = floor_ratio <= TARGET_VS_FLOOR
         raw_p.close()
         raw_c.close()
         for pg in pgs:
@@ -115,11 +161,20 @@ def run(argv: list[str] | None = None) -> dict:
         cluster.shutdown()
         payload.clear(trace_dir)
         os.rmdir(trace_dir)
-    text = (f"{row['name']}: twinkle_ray {row['twinkle_s']:.2f} s ({row['ratio']:.2f}x raw), "
-            f"raw {row['raw_s']:.2f} s; "
-            f"bytes to node B {json.dumps({k: v['to_consumers'] for k, v in traffic.items()})}, "
-            f"via driver/dispatchers "
-            f"{json.dumps({k: v['via_driver'] + v['via_dispatchers'] for k, v in traffic.items()})}")
+    text = "\n".join([
+        f"{row['name']} (medians of {repeats} rounds, one rotation)",
+        f"  transfer floor {row['floor_s']:7.3f} s  Ray alone, node A -> node B: "
+        f"{row['floor_bytes'] / 2**20:.1f} MB at {row['floor_rate_mb_s']:.0f} MB/s "
+        f"(with the driver's call hop {row['floor_call_s']:.3f} s; not in it: making the chunks on "
+        f"node A {row['produce_s']:.3f} s)",
+        f"  twinkle_ray    {row['twinkle_s']:7.3f} s  {row['floor_ratio']:.2f}x floor "
+        f"(paired {row['floor_paired_ratio']:.2f}x), {row['ratio']:.2f}x raw (paired {row['paired_ratio']:.2f}x)"
+        f"  {'ok' if row['target_met'] else 'MISS'} ({row['target']})",
+        f"  raw Ray        {row['raw_s']:7.3f} s  {row['raw_floor_ratio']:.2f}x floor "
+        f"(paired {row['raw_floor_paired_ratio']:.2f}x)",
+        f"  bytes to node B {json.dumps({k: v['to_consumers'] for k, v in traffic.items()})}; "
+        f"via driver/dispatchers "
+        f"{json.dumps({k: v['via_driver'] + v['via_dispatchers'] for k, v in traffic.items()})}"])
     print(json.dumps(row) if args.json else text)
     return row
 

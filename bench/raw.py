@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -76,6 +77,13 @@ class RawWorker:
         """B4 consumer: concatenate the producer parts (as a dp consumer needs), return a checksum."""
         x = np.concatenate([p["x"] for p in parts]) if len(parts) > 1 else parts[0]["x"]
         return float(x[0, 0] + x[-1, -1]) + x.shape[0]
+
+    def fetch(self, refs: list) -> tuple[float, float]:
+        """Flow floor: fetch ``refs`` in parallel (one ``ray.get``; passed in a list, so Ray does
+        not resolve them before the call). Returns (start, end) on the machine's monotonic clock."""
+        t0 = time.monotonic()
+        ray.get(refs)
+        return t0, time.monotonic()
 
     def stop(self) -> None:
         """Leave torch.distributed before being killed."""

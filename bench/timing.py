@@ -69,21 +69,25 @@ def compare(
     }
 
 
-def compare_many(sides: dict[str, Step], *, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+def compare_many(
+    sides: dict[str, Step], *, repeats: int, warmup: int = 1, before: dict[str, Step] | None = None,
+) -> dict[str, list[float]]:
     """Samples (seconds) of every side, run in a rotating order ``repeats`` times each.
 
     Round ``i`` starts with side ``i % k`` (k sides), so every side takes every
-    position equally often. Returns ``{side: [seconds, ...]}`` in run order.
+    position equally often. ``before[side]`` (optional) runs untimed just before
+    each run of that side. Returns ``{side: [seconds, ...]}`` in run order.
     """
     names = list(sides)
+    before = before or {}
     for _ in range(warmup):
         for name in names:
-            timed(sides[name])
+            timed(sides[name], before.get(name))
     samples: dict[str, list[float]] = {name: [] for name in names}
     for i in range(repeats):
         k = i % len(names)
         for name in names[k:] + names[:k]:
-            samples[name].append(timed(sides[name]))
+            samples[name].append(timed(sides[name], before.get(name)))
     return samples
 
 
