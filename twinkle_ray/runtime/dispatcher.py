@@ -70,8 +70,9 @@ class Dispatcher:
         self._gang_ref: GangRef | None = None  # this gang (with this actor's handle)
         self._router: Router | None = None
         self.metrics = GangMetrics.create(spec.label, spec.metrics)
-        # (method, with length record, balanced) -> (the workers list, each one's bound task method)
-        self._bound: dict[tuple[str, bool, bool], tuple[list, list]] = {}
+        # (method, with length record, balanced, inline) -> (the workers list, each one's bound
+        # task method)
+        self._bound: dict[tuple[str, bool, bool, bool], tuple[list, list]] = {}
         # (node id, ip) of this actor: named in its death and in topology()
         self.node = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
 
@@ -370,9 +371,10 @@ RemoteDispatcher = ray.remote(Dispatcher)
 
 async def _values_back(out: CallOutput) -> CallOutput:
     """An eager call's reply: its outputs' values in place of the refs once every rank has
-    answered (a large one stays a :class:`~twinkle_ray.runtime.inline.Held` ref), or the
-    refs themselves if a rank failed: the caller raises the call's error from them, as for a
-    lazy call (which rank, a death or the user's exception)."""
+    answered (any result not certainly small plain data stays a
+    :class:`~twinkle_ray.runtime.inline.Held` ref), or the refs themselves if a rank failed: the
+    caller raises the call's error from them, as for a lazy call (which rank, a death or the
+    user's exception)."""
     try:
         got = await asyncio.gather(*out.refs)
     except Exception:

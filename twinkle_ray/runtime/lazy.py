@@ -296,12 +296,16 @@ class LazyResult(Pending):
             start = time.monotonic()
             out = self.plan(t)
             left = None if t is None else max(0.0, t - (time.monotonic() - start))
+            def fetch_held(refs: list, at: list[int]) -> list:  # results left in a worker's store
+                return fetch(refs, [out.workers[i] for i in at], self.gang, self.method, None, None,
+                             self._on_lost)
+
             if out.values is not None:  # an eager call answered with its values
-                values = unhold(out.values)
+                values = unhold(out.values, fetch_held)
             else:
                 try:
                     values = unhold(fetch(out.refs, out.workers, self.gang, self.method, left, t,
-                                          self._on_lost))
+                                          self._on_lost), fetch_held)
                 except Exception:
                     _read_quietly(out.metas)  # their copy of the error is handled too: no log noise
                     raise

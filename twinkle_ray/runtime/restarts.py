@@ -84,8 +84,9 @@ class RestartPolicy:
         return RestartPolicy(max_restarts, window_s, list(self.times))
 
 
-# Tickets a creator keeps waiting on one dispatcher at most (each is a pending call on it).
-TICKETS_MAX = 8
+# Tickets a creator keeps waiting on one dispatcher at most (each is a pending call on it, an
+# awaited event: no CPU).
+TICKETS_MAX = 64
 
 
 class RebuildLedger:
@@ -96,10 +97,13 @@ class RebuildLedger:
     tickets are answered (:meth:`catch_up`), and hands the history to each
     dispatcher it respawns. Up to ``min(max_restarts, TICKETS_MAX)`` tickets
     wait on the dispatcher at a time; each catch-up takes the answered ones and
-    waits on as many new ones. With ``window_s=None`` a dispatcher can never
-    make more rebuilds than the tickets waiting on it, so the count is exact; a
-    windowed budget is re-counted whenever the creator's proxy restarts, sets
-    the policy, checks health or respawns.
+    waits on as many new ones. With ``window_s=None`` and ``max_restarts <=
+    TICKETS_MAX`` a dispatcher can never make more rebuilds than the tickets
+    waiting on it, so the count is exact. Otherwise (a window, or more restarts
+    allowed than tickets) the tickets are re-armed whenever the creator's proxy
+    restarts, sets the policy, checks health or respawns, and rebuilds made
+    beyond the waiting tickets between two of those are not seen: a respawn can
+    then find more budget left than there is.
 
     Example::
 

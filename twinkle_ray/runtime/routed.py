@@ -24,7 +24,7 @@ from ..core.balance import join_items, locate_positions, take_items, total_items
 from ..core.dispatch import batch_len, collect_sources, concat, span, take
 from ..core.dispatch import collect as collect_results
 from ..core.routing import length_record, locate, plain_length, tuple_arity
-from .lazy import CallOutput, GangRef, LazyResult, user_error
+from .lazy import GangRef, LazyResult, user_error
 
 
 @dataclass
@@ -113,7 +113,7 @@ class Pieces:
     aligned: int | None = None
     aligned_slot: int | None = None
     # Aligned markers hold the producer refs as one object (``refs_ref``: the producer's
-    # CallOutput, or a list; its first ``n_refs`` refs; refs is None) that the worker fetches
+    # CallOutput, its first ``n_refs`` refs; refs is None) that the worker fetches
     # only when uneven lengths need another rank's output: each task then carries one nested
     # ref instead of one per producer output. ``own`` is the aligned output until the
     # dispatcher moves it into the task's leading arguments.
@@ -160,8 +160,7 @@ class Pieces:
         """The values of outputs ``ks`` (the aligned one from the task's leading values)."""
         fetch_ks = [k for k in ks if k != self.aligned or self.aligned_slot is None]
         if fetch_ks and self.refs is None:
-            held = ray.get(self.refs_ref)
-            self.refs = list(held.refs if isinstance(held, CallOutput) else held)[:self.n_refs]
+            self.refs = list(ray.get(self.refs_ref).refs)[:self.n_refs]
         got = dict(zip(fetch_ks, pull([self.refs[k] for k in fetch_ks], self.producer, self.method,
                                       [self.ranks[k] if self.ranks else None for k in fetch_ks]),
                        strict=True))

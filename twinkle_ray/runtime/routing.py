@@ -24,8 +24,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import ray
-
 from ..core.dispatch import worker_data_ranks
 from ..core.routing import peer_workers
 from . import balance
@@ -209,8 +207,8 @@ class Router:
         lengths.extend(out.metas[:k])
         aligned = k == n == parts and not as_list  # output i is worker i's slice if lengths are even
         if aligned:  # the refs travel as one object, fetched only if lengths are uneven: the
-            # producer's plan, which its caller owns (no put here), or a put of them if unknown
-            held = lazy._plan_ref if lazy._plan_ref is not None else ray.put(refs)
+            # producer's plan, which its caller owns (no put here)
+            held = lazy._plan_ref
             return [
                 Pieces(None, **common, length_slots=slots,
                        window=Window(parts, index[i], where, source), aligned=i,

@@ -33,7 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..core.routing import TupleLengths, length_record
 from . import balance
-from .inline import hold_large
+from .inline import hold_unless_small
 from .lazy import END_OF_ITERATION
 from .message import WorkerCall
 from .metrics import GangMetrics, args_nbytes
@@ -219,10 +219,10 @@ class GangWorker:
         return self.run(call, *args, **kwargs)[0]
 
     def run_inline(self, call: str | tuple, *args: Any, **kwargs: Any) -> Any:
-        """``run_value`` for an eager call: a large result stays in this worker's object store
-        (:func:`~twinkle_ray.runtime.inline.hold_large`), so the dispatcher, which replies with
-        the values, never holds payload."""
-        return hold_large(self.run(call, *args, **kwargs)[0])
+        """``run_value`` for an eager call: a result that is not certainly small plain data
+        stays in this worker's object store (:func:`~twinkle_ray.runtime.inline.hold_unless_small`),
+        so the dispatcher, which replies with the values, never holds payload."""
+        return hold_unless_small(self.run(call, *args, **kwargs)[0])
 
     def _report(self, seq: int | None, method: str, error: BaseException) -> None:
         d = self.info.dispatcher
