@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from twinkle_ray import DeviceGroup, remote_class, remote_function
-from twinkle_ray.runtime.session import adopt_placement_group
+from twinkle_ray.runtime.adopt import adopt_placement_group
 
 
 @remote_class()

@@ -25,7 +25,6 @@ from typing import Any
 
 from ..core import defaults
 from ..core.group import DeviceGroup, check_groups
-from .adopt import adopt_placement_group  # noqa: F401  (imported from here by callers)
 from .connect import connect
 
 logger = logging.getLogger(__name__)
