@@ -55,7 +55,7 @@ class Config:
     def quick(cls) -> Config:
         """Scaled down to finish in about two minutes on 2 cores."""
         return cls(repeats=12, chain=200, chain_repeats=2, b3_mb=16, b3_repeats=5, b4_mb=32,
-                   b4_repeats=3, b5_repeats=1, b5_warmup=0, b6_sizes=(1, 2, 4, 8), b10_sizes=(4, 16),
+                   b4_repeats=3, b5_repeats=1, b5_warmup=0, b6_sizes=(1, 2, 4, 8), b10_sizes=(4, 8),
                    b10_calls=100, warmup=2)
 
 
