@@ -25,7 +25,7 @@ import ray
 import twinkle_ray as twinkle
 from bench import payload, whatif
 from bench.raw import RawGang, make_pg
-from bench.timing import compare, compare_many, ratios, slope
+from bench.timing import compare, compare_many, driver_cpu_per_call, ratios, slope
 from twinkle_ray import DeviceGroup, DeviceMesh, remote_class, remote_function
 from twinkle_ray.runtime.metrics import metrics_enabled
 
@@ -427,21 +427,12 @@ def bench_scaling(cfg: Config) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- B10
-def driver_cpu_per_call(submit, calls: int) -> float:
-    """The driver process's CPU seconds per call of ``submit`` (every thread: Ray's core worker
-    threads that send the tasks count too), ``calls`` calls back to back; their results are
-    drained afterwards, outside the measurement."""
-    outs = []
-    t0 = time.process_time()
-    for _ in range(calls):
-        outs.append(submit())
-    used = time.process_time() - t0
-    for out in outs:
-        if isinstance(out, list):
-            ray.get(out)
-        else:
-            out.get()
-    return used / calls
+def _drain(out) -> None:
+    """Wait for a B10 submission: raw Ray's list of refs, or a LazyResult."""
+    if isinstance(out, list):
+        ray.get(out)
+    else:
+        out.get()
 
 
 def bench_driver_cpu(cfg: Config) -> list[dict]:
@@ -456,11 +447,11 @@ def bench_driver_cpu(cfg: Config) -> list[dict]:
         raw.start()
         try:
             actors = raw.actors
-            driver_cpu_per_call(gang.noop, cfg.warmup * 10)  # warm-up
-            driver_cpu_per_call(lambda a=actors: [w.noop.remote() for w in a], cfg.warmup * 10)
-            tw = statistics.median(driver_cpu_per_call(gang.noop, cfg.b10_calls) for _ in range(3))
+            driver_cpu_per_call(gang.noop, cfg.warmup * 10, _drain)  # warm-up
+            driver_cpu_per_call(lambda a=actors: [w.noop.remote() for w in a], cfg.warmup * 10, _drain)
+            tw = statistics.median(driver_cpu_per_call(gang.noop, cfg.b10_calls, _drain) for _ in range(3))
             rw = statistics.median(driver_cpu_per_call(lambda a=actors: [w.noop.remote() for w in a],
-                                                       cfg.b10_calls) for _ in range(3))
+                                                       cfg.b10_calls, _drain) for _ in range(3))
         finally:
             raw.close()
             twinkle.shutdown()

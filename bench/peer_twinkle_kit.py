@@ -64,7 +64,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 
 import psutil
 import ray
@@ -76,7 +75,7 @@ from twinkle import remote_function as tk_remote_function
 
 import twinkle_ray as tr
 from bench import payload
-from bench.timing import compare, compare_many, ratios
+from bench.timing import compare, compare_many, driver_cpu_per_call, ratios
 from bench.whatif import Hop
 from twinkle_ray import DeviceGroup as TrGroup
 from twinkle_ray import DeviceMesh as TrMesh
@@ -250,18 +249,6 @@ def bench_startup(repeats: int, variants: list[str], warmup: int = 1) -> list[di
 
 
 # ---------------------------------------------------------------------------- (b) per call
-def driver_cpu_per_call(submit: Callable[[], object], drain: Callable[[object], object], calls: int) -> float:
-    """The driver process's CPU seconds per ``submit()`` (every thread: Ray's core worker threads
-    that send the tasks count too), ``calls`` back to back; ``drain`` then waits for each one's
-    results, outside the measurement (as bench.cases' B10)."""
-    outs = []
-    t0 = time.process_time()
-    for _ in range(calls):
-        outs.append(submit())
-    used = time.process_time() - t0
-    for out in outs:
-        drain(out)
-    return used / calls
 
 
 def bench_call(n: int, repeats: int, lazy_calls: int, lazy_rounds: int) -> list[dict]:
@@ -302,12 +289,12 @@ def bench_call(n: int, repeats: int, lazy_calls: int, lazy_rounds: int) -> list[
         "raw": (lambda: [a.noop.remote() for a in actors], ray.get),
     }
     for submit, drain in lazy.values():  # warm-up
-        driver_cpu_per_call(submit, drain, max(lazy_calls // 5, 5))
+        driver_cpu_per_call(submit, max(lazy_calls // 5, 5), drain)
     cpu: dict[str, list[float]] = {k: [] for k in lazy}
     names = list(lazy)
     for i in range(lazy_rounds):  # rotating order, as compare_many
         for name in names[i % len(names):] + names[:i % len(names)]:
-            cpu[name].append(driver_cpu_per_call(*lazy[name], lazy_calls))
+            cpu[name].append(driver_cpu_per_call(lazy[name][0], lazy_calls, lazy[name][1]))
     cmed = {k: statistics.median(v) for k, v in cpu.items()}
     for key, label in (("twinkle_ray", f"driver CPU per lazy call, {n} workers ({lazy_calls} calls back to back)"),
                        ("raw", "  plain Ray: the driver submits the no-op to every worker")):

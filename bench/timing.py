@@ -108,3 +108,18 @@ def slope(xs: list[float], ys: list[float]) -> float:
     if sxx == 0:
         return float("nan")
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+
+
+def driver_cpu_per_call(submit: Callable[[], object], calls: int,
+                        drain: Callable[[object], object]) -> float:
+    """The driver process's CPU seconds per ``submit()`` (every thread: Ray's core worker threads
+    that send the tasks count too), ``calls`` back to back; ``drain`` then waits for each one's
+    results, outside the measurement (B10, and the peer bench's lazy-call row)."""
+    outs = []
+    t0 = time.process_time()
+    for _ in range(calls):
+        outs.append(submit())
+    used = time.process_time() - t0
+    for out in outs:
+        drain(out)
+    return used / calls

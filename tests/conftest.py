@@ -107,3 +107,24 @@ def runtime(ray_session):
     actors, pgs = leftovers()
     assert not actors, f"leaked actors: {[a.get('name') for a in actors]}"
     assert not pgs, f"leaked placement groups: {pgs}"
+
+
+def concurrently(*fns, timeout_s: float = 60.0) -> list:
+    """Run each function in a thread of its own; their results in order (an exception is
+    returned in its place, for the test to inspect)."""
+    import threading
+
+    out: list = [None] * len(fns)
+
+    def run(i):
+        try:
+            out[i] = fns[i]()
+        except Exception as e:  # returned for the test to inspect
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    return out

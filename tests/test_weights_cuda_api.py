@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from conftest import concurrently  # noqa: E402
 from twinkle_ray.weights import VLLM_NCCL, choose_backend  # noqa: E402
 
 LANES = {0: ["embed.weight", "layers.0.weight"], 1: ["layers.1.weight", "head.weight"]}
@@ -127,23 +128,6 @@ def wire(monkeypatch):
     return w
 
 
-def _run(*fns):
-    out: list = [None] * len(fns)
-
-    def run(i):
-        try:
-            out[i] = fns[i]()
-        except Exception as e:  # returned for the test to inspect
-            out[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
-
-
 def test_lanes_open_vllms_trainer_endpoint_and_engines_receive_through_vllms_api(wire):
     from twinkle_ray.integrations.vllm_engine import NcclReceivers
     from twinkle_ray.integrations.vllm_trainer import VLLMNcclSource
@@ -157,7 +141,7 @@ def test_lanes_open_vllms_trainer_endpoint_and_engines_receive_through_vllms_api
     logs: dict = {"A": [], "B": []}
     llms = {"A": FakeLLM(2, logs["A"]), "B": FakeLLM(1, logs["B"])}
     ranks = {"A": [[0, 1], [1, 2]], "B": [[0, 3]]}
-    joined = _run(lambda: VLLMNcclSource(host, "ws-t", 0), lambda: VLLMNcclSource(other, "ws-t", 1),
+    joined = concurrently(lambda: VLLMNcclSource(host, "ws-t", 0), lambda: VLLMNcclSource(other, "ws-t", 1),
                   *[lambda k=k: NcclReceivers.join(llms[k], "ws-t", addr, port, ranks[k], world, 30) for k in "AB"])
     assert not [j for j in joined if isinstance(j, Exception)], joined
     sources, rx = joined[:2], dict(zip("AB", joined[2:], strict=True))
@@ -175,7 +159,7 @@ def test_lanes_open_vllms_trainer_endpoint_and_engines_receive_through_vllms_api
     assert all(e.packed for llm in llms.values() for e in llm.engines)  # the trainer's wire params
 
     # One sync: each lane sends its own tensors with vLLM's send_weights, every engine takes both.
-    stats = _run(*[lambda k=k: sources[k].send([(n, state[n]) for n in LANES[k]]) for k in (0, 1)],
+    stats = concurrently(*[lambda k=k: sources[k].send([(n, state[n]) for n in LANES[k]]) for k in (0, 1)],
                  *[lambda k=k: rx[k].recv(llms[k]) for k in "AB"])
     assert not [s for s in stats if isinstance(s, Exception)], stats
     assert [(s.tensors, s.bytes, s.backend, s.receivers) for s in stats[:2]] == [
@@ -197,7 +181,7 @@ def test_lanes_open_vllms_trainer_endpoint_and_engines_receive_through_vllms_api
     for llm in llms.values():
         for e in llm.engines:
             e.model.loaded.clear()
-    out = _run(lambda: sources[0].send([(n, state[n]) for n in LANES[0]], names=["layers.0.weight"]),
+    out = concurrently(lambda: sources[0].send([(n, state[n]) for n in LANES[0]], names=["layers.0.weight"]),
                lambda: sources[1].fail("weight_sync_tensors() raised KeyError: 'x'"),
                *[lambda k=k: rx[k].recv(llms[k]) for k in "AB"])
     assert out[0].names == ["layers.0.weight"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import twinkle_ray
-from conftest import leftovers
+from conftest import concurrently, leftovers
 from twinkle_ray import DeviceGroup, DeviceMesh, remote_class, remote_function
 from twinkle_ray.weights import TensorSource, WeightSync, WeightSyncMixin
 
@@ -222,25 +222,6 @@ def _lanes(n_receivers: int = 2, timeout_s: float = 20.0):
     return host, other, ends
 
 
-def _concurrently(*fns):
-    import threading
-
-    out: list = [None] * len(fns)
-
-    def run(i):
-        try:
-            out[i] = fns[i]()
-        except Exception as e:  # returned for the test to inspect
-            out[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
-
-
 def test_two_lanes_lazy_sources_one_receive_each():
     from twinkle_ray.weight_channel import receive_lanes
 
@@ -257,7 +238,7 @@ def test_two_lanes_lazy_sources_one_receive_each():
 
     lane0, lane1, ends = _lanes()
     got = [{}, {}]
-    stats = _concurrently(lambda: lane0.send(lazy(0), bucket_mb=1.5), lambda: lane1.send(lazy(1), bucket_mb=1.5),
+    stats = concurrently(lambda: lane0.send(lazy(0), bucket_mb=1.5), lambda: lane1.send(lazy(1), bucket_mb=1.5),
                           *[lambda i=i: receive_lanes(ends[i], lambda b, i=i: [got[i].update(x) for x in b])
                             for i in range(2)])
     assert not [s for s in stats if isinstance(s, Exception)], stats
@@ -271,7 +252,7 @@ def test_two_lanes_lazy_sources_one_receive_each():
     # names= selects from a lazy source, which is still iterated to the end (its gathers are collectives)
     pulled.clear()
     got = [{}, {}]
-    stats = _concurrently(lambda: lane0.send(lazy(0), names=["layers.1.bias"]), lambda: lane1.send(lazy(1), names=[]),
+    stats = concurrently(lambda: lane0.send(lazy(0), names=["layers.1.bias"]), lambda: lane1.send(lazy(1), names=[]),
                           *[lambda i=i: receive_lanes(ends[i], lambda b, i=i: [got[i].update(x) for x in b])
                             for i in range(2)])
     assert not [s for s in stats if isinstance(s, Exception)], stats
@@ -279,7 +260,7 @@ def test_two_lanes_lazy_sources_one_receive_each():
 
     # a source that fails before sending: its lane's receivers raise its message, the other lane arrives
     got = [{}, {}]
-    stats = _concurrently(lambda: lane1.send([(n, full[n]) for n in names[1]]),
+    stats = concurrently(lambda: lane1.send([(n, full[n]) for n in names[1]]),
                           lambda: lane0.fail("weight_sync_tensors() raised KeyError: 'x'"),
                           *[lambda i=i: receive_lanes(ends[i], lambda b, i=i: [got[i].update(x) for x in b])
                             for i in range(2)])
