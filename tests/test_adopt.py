@@ -43,6 +43,7 @@ def test_gang_runs_on_adopted_bundles_and_shutdown_keeps_the_pg(runtime, foreign
     assert placement_group_table(foreign_pg)["state"] == "CREATED"  # still the owner's
 
 
+@pytest.mark.slow
 def test_adopt_rejects_bad_bundles(runtime, foreign_pg):
     runtime.initialize("ray")
     with pytest.raises(ValueError, match="bundle_indices"):

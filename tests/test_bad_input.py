@@ -63,6 +63,7 @@ def test_errors_need_a_runtime():
         Echo(remote_group="g")
 
 
+@pytest.mark.slow
 def test_bad_input_on_a_live_gang(runtime):
     runtime.initialize(groups=[DeviceGroup("g", 2, "cpu")])
     with pytest.raises(ValueError, match=r"unknown remote_group 'gg'; declared groups: 'g'"):
@@ -88,6 +89,7 @@ def test_bad_input_on_a_live_gang(runtime):
         e.take(1)
 
 
+@pytest.mark.slow
 def test_group_the_cluster_can_never_hold(runtime):
     t0 = time.monotonic()
     with pytest.raises(PlacementError, match=r"can never hold group\(s\) 'huge'.*GPU: 16.*GPU: 8"):

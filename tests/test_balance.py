@@ -164,6 +164,7 @@ def test_local_mode_same_semantics():
 # ---------------------------------------------------------------------------- on a gang
 @pytest.mark.parametrize("method, size", [("square1", 1), ("square3", 3), ("square4", 4),
                                           ("square_auto", None)])
+@pytest.mark.slow
 def test_input_order_and_the_slow_group_runs_only_its_chunk(runtime, tmp_path, method, size):
     runtime.initialize(groups=[DeviceGroup("bal", 3, "cpu")])
     s = Squarer(remote_group="bal")
@@ -180,6 +181,7 @@ def test_input_order_and_the_slow_group_runs_only_its_chunk(runtime, tmp_path, m
     assert slow in holder[-1], seen
 
 
+@pytest.mark.slow
 def test_tp_peers_get_the_same_chunks(runtime):
     runtime.initialize(groups=[DeviceGroup("tp", 4, "cpu")])
     s = Squarer(device_mesh=DeviceMesh.from_sizes(dp_size=2, tp_size=2, device_type="cpu"),
@@ -194,6 +196,7 @@ def test_tp_peers_get_the_same_chunks(runtime):
         assert [o["x"]] in seen[o["rank"]]
 
 
+@pytest.mark.slow
 def test_balanced_result_routes_into_a_dp2_consumer(runtime, tmp_path):
     runtime.initialize(groups=[DeviceGroup("prod", 3, "cpu"), DeviceGroup("cons", 2, "cpu")])
     p = Squarer(remote_group="prod")
@@ -212,6 +215,7 @@ def test_balanced_result_routes_into_a_dp2_consumer(runtime, tmp_path):
     assert c.take(pair)() == ([[0, 1, 4], [9, 16]], [[0, -1, -2], [-3, -4]])
 
 
+@pytest.mark.slow
 def test_lazy_input_to_a_balanced_call(runtime):
     runtime.initialize(groups=[DeviceGroup("src", 2, "cpu"), DeviceGroup("bal", 2, "cpu")])
     src = Consumer(device_mesh=DeviceMesh.from_sizes(dp_size=2, device_type="cpu"), remote_group="src")
@@ -270,6 +274,7 @@ def test_a_call_after_a_balanced_call_sees_every_chunk(runtime):
     assert first() == [x * x for x in range(N)]
 
 
+@pytest.mark.slow
 def test_timeout_bounds_the_whole_call(runtime):
     runtime.initialize(groups=[DeviceGroup("bal", 2, "cpu")])
     s = Squarer(remote_group="bal")
@@ -283,6 +288,7 @@ class Healing(Squarer):
     pass
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_call_raises_and_is_not_rerun(runtime, tmp_path):
     runtime.initialize(groups=[DeviceGroup("heal", 2, "cpu")])
     s = Healing(remote_group="heal")

@@ -86,6 +86,7 @@ def _drain(loader, consumer) -> tuple[list[list], list[list]]:
     return parts, [p[0] + p[1] for p in parts]
 
 
+@pytest.mark.slow
 def test_loader_batches_reach_each_dp_rank_exactly_once(rt, consumer):
     n = 53  # uneven: 6 full batches of 8, then a 5-item tail
     loader = DataLoader(functools.partial(_make, n), batch_size=8, device_mesh=MESH, shuffle=True,

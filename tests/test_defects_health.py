@@ -70,6 +70,7 @@ def _until(what: str, check, wait_s: float = WAIT_S):
 
 
 # ---------------------------------------------------------------------------- 3. stuck check
+@pytest.mark.slow
 def test_no_stuck_check_in_a_gang_without_torch_distributed(runtime):
     runtime.initialize(groups=[DeviceGroup("rw", 2, "cpu")])
     g = Reward(remote_group="rw")
@@ -81,6 +82,7 @@ def test_no_stuck_check_in_a_gang_without_torch_distributed(runtime):
     assert (desc["dead"], desc["restarts"]) == (None, 0)
 
 
+@pytest.mark.slow
 def test_ranks_on_an_earlier_call_are_not_stuck(runtime):
     runtime.initialize(groups=[DeviceGroup("tr", 2, "cpu")])
     g = Trainer(remote_group="tr")
@@ -138,6 +140,7 @@ def test_a_hung_rebuild_ends_in_gang_rebuild_error_and_restart_brings_it_back(ru
     assert len(set(g.pid()())) == 2
 
 
+@pytest.mark.slow
 def test_restart_ends_a_hung_rebuild(runtime, tmp_path):
     marker = str(tmp_path / "hang")
     runtime.initialize(groups=[DeviceGroup("hr2", 2, "cpu")], start_timeout_s=600)
@@ -182,6 +185,7 @@ class HangingReplica:
         twinkle_ray.shutdown()
 
 
+@pytest.mark.slow
 def test_a_rebuilding_replica_is_not_healthy(ray_session, tmp_path):
     marker = str(tmp_path / "hang")
     pg = placement_group(replica_bundles(REPLICA_GROUP), strategy=REPLICA_GROUP.strategy)
@@ -224,6 +228,7 @@ class Holder:
             return f"{type(e).__name__}: {e}"
 
 
+@pytest.mark.slow
 def test_a_proxy_copy_finds_the_respawned_dispatcher(runtime):
     runtime.initialize(groups=[DeviceGroup("sv", 2, "cpu"), DeviceGroup("hd", 1, "cpu")])
     g = Served(remote_group="sv")

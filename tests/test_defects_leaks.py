@@ -49,6 +49,7 @@ def _full_share(gang) -> None:
         assert res.get("GPU") == 1.0 and res.get("CPU") == 1.0, got
 
 
+@pytest.mark.slow
 def test_unpicklable_constructor_argument_is_named_and_keeps_no_claim(runtime):
     runtime.initialize(groups=[DeviceGroup("dev", 2, "gpu")])
     with pytest.raises(TypeError) as info:
@@ -64,6 +65,7 @@ def test_unpicklable_constructor_argument_is_named_and_keeps_no_claim(runtime):
     _full_share(again)
 
 
+@pytest.mark.slow
 def test_constructor_that_raises_keeps_no_claim(runtime):
     runtime.initialize(groups=[DeviceGroup("dev", 2, "gpu")])
     with pytest.raises(RuntimeError, match=r"gang dev/Boom failed to start \(rank \d\): "
@@ -101,6 +103,7 @@ def _settles_to(limit: int, timeout_s: float = 20.0) -> int:
         time.sleep(0.5)
 
 
+@pytest.mark.slow
 def test_an_idle_gang_pins_no_output_its_callers_dropped(runtime):
     runtime.initialize(groups=[DeviceGroup("blob", 1, "cpu")])
     g = Blob(remote_group="blob")
@@ -125,6 +128,7 @@ class Count:
         return len(xs)
 
 
+@pytest.mark.slow
 def test_a_lazy_result_does_not_hold_its_inputs(runtime):
     runtime.initialize(groups=[DeviceGroup("cnt", 2, "cpu")])
     g = Count(remote_group="cnt")
@@ -156,6 +160,7 @@ def _stats(label: str) -> dict:
     return ray.get(ray.get_actor(label, namespace=NAMESPACE).stats.remote())
 
 
+@pytest.mark.slow
 def test_dispatcher_tables_stay_bounded_however_many_callers(runtime):
     runtime.initialize(groups=[DeviceGroup("smp", 2, "cpu"), DeviceGroup("trn", 2, "cpu")])
     sampler, trainer = Nop(remote_group="smp"), Nop(remote_group="trn")

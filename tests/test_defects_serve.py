@@ -46,6 +46,7 @@ def _dead_gang_error(runtime) -> tuple[WorkerDiedError, list[int]]:
     return info.value, pids
 
 
+@pytest.mark.slow
 def test_503_body_names_no_node_pid_or_exception_and_the_log_does(runtime, caplog):
     died, worker_pids = _dead_gang_error(runtime)
     assert died.node and died.node_id, (died.node, died.node_id)

@@ -43,6 +43,7 @@ def results(checker):
     return blocks, checker.check(blocks)
 
 
+@pytest.mark.slow
 def test_every_diagram_of_the_docs_parses(results):
     blocks, failures = results
     assert len(blocks) >= 5  # the broken one and the docs' own (4 today)

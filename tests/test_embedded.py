@@ -58,6 +58,7 @@ def _report(proc) -> dict:
     return json.loads(lines[-1][len("SOCKETS "):])
 
 
+@pytest.mark.slow
 def test_stale_current_cluster_file_does_not_break_initialize(child_run):
     proc, stale, tmp = child_run
     report = _report(proc)  # initialize() started Ray and a gang ran
@@ -67,6 +68,7 @@ def test_stale_current_cluster_file_does_not_break_initialize(child_run):
     assert report["node"] == "127.0.0.1"
 
 
+@pytest.mark.slow
 def test_embedded_ray_and_gang_listen_on_loopback_only(child_run):
     proc, _, _ = child_run
     rows = _report(proc)["sockets"]

@@ -121,6 +121,7 @@ def _restart_and_check(g, old_ports: set) -> None:
     assert ports and not (ports & old_ports)  # a fresh torch.distributed world
 
 
+@pytest.mark.slow
 def test_sigkill_idle_worker(gang):
     pids, ports = zip(*gang.info()(), strict=True)
     t0 = time.monotonic()

@@ -115,6 +115,7 @@ def _inline_call(gang, method: str, *args):
     return ray.get(plan), plan
 
 
+@pytest.mark.slow
 def test_eager_results_come_back_inline_and_payload_stays_off_the_dispatcher(runtime, tmp_path):
     runtime.initialize(groups=[DeviceGroup("inline", 4, "cpu")])
     gang = Echo(device_mesh=DeviceMesh.from_sizes(dp_size=4), remote_group="inline")
@@ -140,6 +141,7 @@ def test_eager_results_come_back_inline_and_payload_stays_off_the_dispatcher(run
     gang.close()
 
 
+@pytest.mark.slow
 def test_a_held_result_whose_worker_died_is_a_worker_death(runtime, tmp_path):
     runtime.initialize(groups=[DeviceGroup("inline", 2, "cpu")])
     gang = Echo(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="inline")
@@ -160,6 +162,7 @@ def test_a_held_result_whose_worker_died_is_a_worker_death(runtime, tmp_path):
     gang.close()
 
 
+@pytest.mark.slow
 def test_an_eager_call_that_raises_names_the_rank(runtime):
     runtime.initialize(groups=[DeviceGroup("inline", 2, "cpu")])
     gang = Echo(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="inline")

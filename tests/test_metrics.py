@@ -67,6 +67,7 @@ def _wait_for(url: str, expected: dict[str, float], **labels: str) -> dict[str, 
         time.sleep(0.5)
 
 
+@pytest.mark.slow
 def test_gang_metrics_reach_the_prometheus_endpoint_and_tasks_are_named(runtime, monkeypatch):
     from ray.util.state import list_actors, list_tasks
 

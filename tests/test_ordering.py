@@ -74,6 +74,7 @@ def _check(caller: int, results: list) -> list[int]:
     return seqs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_concurrent_callers_get_one_total_order(runtime):
     runtime.initialize(groups=[DeviceGroup("ord", 2, "cpu"), DeviceGroup("ord_caller", 1, "cpu")])
@@ -141,6 +142,7 @@ class Noted:
         self.log = list(state["log"])
 
 
+@pytest.mark.slow
 def test_save_state_takes_its_place_in_the_call_order(runtime):
     runtime.initialize(groups=[DeviceGroup("ord_save", 2, "cpu")])
     gang = Noted(remote_group="ord_save")

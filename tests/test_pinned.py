@@ -50,6 +50,7 @@ def settled(ray_session):
     assert gpus_free(8) == 8
 
 
+@pytest.mark.slow
 def test_workers_see_exactly_the_named_devices(runtime):
     # the two cases of issue 22, a 2-GPU worker, and a group Ray places, side by side
     runtime.initialize(groups=[

@@ -151,6 +151,7 @@ def _groups(*names_sizes):
 
 
 # ---------------------------------------------------------------------------- 1. collectives
+@pytest.mark.slow
 def test_exception_in_collective_tears_down_and_restart_works(runtime):
     runtime.initialize(groups=_groups(("c", 2)))
     g = Coll(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="c")
@@ -246,6 +247,7 @@ class EnvReader:
         return {k: os.environ.get(k) for k in keys}
 
 
+@pytest.mark.slow
 def test_gpu_gang_workers_get_nccl_error_handling(runtime):
     runtime.initialize(groups=[DeviceGroup("gpu2", 2, "cuda")])  # virtual GPUs here: gloo
     g = EnvReader(remote_group="gpu2")

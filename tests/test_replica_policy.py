@@ -132,6 +132,7 @@ def test_replica_heals_by_the_dispatchers_policy_and_gives_up_when_it_is_spent(r
     assert _our_named_actors() == []  # the replica's gang died with it
 
 
+@pytest.mark.slow
 def test_close_stops_only_the_replicas_gang(replica_pg):
     r = _replica(replica_pg, max_rebuilds=0)
     try:

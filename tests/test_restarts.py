@@ -122,6 +122,7 @@ def _kill_and_expect(g, rank: int) -> WorkerDiedError:
     return info.value
 
 
+@pytest.mark.slow
 def test_a_slash_in_the_group_name_is_named_right(runtime):
     runtime.initialize(groups=[DeviceGroup("team/a", 2, "cpu")])
     g = Plain(remote_group="team/a")
@@ -204,6 +205,7 @@ class Unloadable:
         raise ValueError("Unloadable cannot be restored")
 
 
+@pytest.mark.slow
 def test_an_argument_the_dispatcher_cannot_unpickle_is_named_and_never_stalls_the_next(runtime):
     runtime.initialize(groups=[DeviceGroup("up", 2, "cpu")])
     g = Plain(remote_group="up")
@@ -290,6 +292,7 @@ def test_killed_dispatcher_is_rebuilt_under_its_name_with_the_saved_state(runtim
         g.get_value()()
 
 
+@pytest.mark.slow
 def test_killed_dispatcher_without_max_restarts_keeps_a_clear_error(runtime):
     runtime.initialize(groups=[DeviceGroup("dm", 2, "cpu")])
     g = Mortal(remote_group="dm")

@@ -72,6 +72,7 @@ def _gather_worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_module_tensors_gather_fsdp2_shards_on_rank0(tmp_path):
     """``_module_tensors`` of a ``fully_shard`` model: full tensors on rank 0, ``{}`` elsewhere."""
     import torch.multiprocessing as mp

@@ -27,6 +27,9 @@ import pytest
 from conftest import leftovers
 from twinkle_ray import DeviceGroup, DeviceMesh, get_rank, remote_class, remote_function
 
+# four gangs made once for the module: the quick tier leaves them out
+pytestmark = pytest.mark.slow
+
 Pair = namedtuple("Pair", "tokens logprobs")
 
 # --------------------------------------------------------------------------- result shapes

@@ -191,6 +191,7 @@ def gangs(ray_session):
     assert not actors and not pgs, (actors, pgs)
 
 
+@pytest.mark.slow
 def test_pinning_distinct_devices_and_disjoint_groups(gangs):
     a, b = gangs
     env_a, env_b = a.env()(), b.env()()

@@ -25,11 +25,11 @@ class Tiny:
 
 
 @pytest.mark.slow
-def test_twenty_cycles_leak_nothing(ray_session):
+def test_ten_cycles_leak_nothing(ray_session):
     import twinkle_ray
 
     twinkle_ray.shutdown()
-    for i in range(20):
+    for i in range(10):
         twinkle_ray.initialize(groups=[DeviceGroup("cyc", 2, "cpu")])  # 3 actors a cycle
         assert Tiny(remote_group="cyc").double([i, i + 1])() == [2 * i, 2 * i + 2]
         twinkle_ray.shutdown()

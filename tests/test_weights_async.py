@@ -95,6 +95,7 @@ def _sync(ws: WeightSync, wait: bool):
 
 
 # ------------------------------------------------------------------------------ order
+@pytest.mark.slow
 def test_wait_false_takes_its_place_in_both_gangs_orders(pair):
     trainer, sampler = pair
     # The first sync sets the channel up, also without waiting: the sampler is busy for 2 s.
@@ -122,6 +123,7 @@ def test_wait_false_takes_its_place_in_both_gangs_orders(pair):
 
 
 # ------------------------------------------------------------------------------ failures
+@pytest.mark.slow
 @pytest.mark.parametrize("wait", [True, False])
 def test_source_error_before_sending_leaves_the_sampler_working(pair, wait):
     trainer, sampler = pair
@@ -142,6 +144,7 @@ def test_source_error_before_sending_leaves_the_sampler_working(pair, wait):
     assert sampler.work()() == [4.0, 4.0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wait", [True, False])
 def test_receiver_failing_to_join_ends_the_source_wait(pair, wait):
     trainer, sampler = pair

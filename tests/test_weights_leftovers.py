@@ -73,6 +73,7 @@ def gangs(runtime):
     return runtime
 
 
+@pytest.mark.slow
 def test_a_refused_set_up_reaches_every_lane(gangs):
     """A receiver failing to join refuses the set-up on every lane: lane 1's source (trainer rank 1)
     leaves the rendezvous at once, the trainer gang is not torn down."""
@@ -91,6 +92,7 @@ def test_a_refused_set_up_reaches_every_lane(gangs):
     assert sampler.work()() == [1.0, 1.0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [(0, 1), (1,)], ids=["every-receiver", "one-receiver"])
 def test_a_failed_receiver_frees_the_source_without_get(gangs, ranks):
     """wait=False, receivers failing before they reach the sync: the trainer's next call answers
@@ -112,6 +114,7 @@ def test_a_failed_receiver_frees_the_source_without_get(gangs, ranks):
     assert sampler.work()() == [1.0, 1.0]
 
 
+@pytest.mark.slow
 def test_a_failed_receiver_at_join_frees_the_source_without_get(gangs):
     """The brief's case: wait=False, the receiver fails at set-up; the trainer's next call answers."""
     trainer = Staged(MESH, 1.0, remote_group="trainer")
@@ -124,6 +127,7 @@ def test_a_failed_receiver_at_join_frees_the_source_without_get(gangs):
         twinkle_ray.get(handle)
 
 
+@pytest.mark.slow
 def test_get_timeout_bounds_the_whole_get(gangs):
     """A sync queued behind a long call: get(timeout) raises CallTimeoutError naming the sync by
     then, though one of its calls has not started on any rank yet; the sync itself goes on."""
