@@ -286,7 +286,7 @@ class Dispatcher:
             return await _values_back(out), True
         if wait_meta:
             out.ended = any(m == END_OF_ITERATION for m in await values(out.metas))
-        return out, True
+        return out.packed(), True
 
     def _submit(self, plan: CallPlan, workers: list, inline: bool = False) -> CallOutput:
         """Send a planned call to its ranks: one actor task per target rank; takes the next

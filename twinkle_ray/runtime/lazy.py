@@ -17,6 +17,7 @@ itself (``routed.resolve_routed`` in the worker).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +46,10 @@ OUTAGE_WAIT_S = 40.0
 # After a failure, how long to look at the other ranks' outcomes before raising (a peer's death
 # outranks a user error it caused). Stuck ranks are the dispatcher's business (GangStuckError).
 ERROR_GRACE_S = 0.5
+# A reply to a lazy call that would carry more ObjectRefs than this carries one instead: a ref
+# nested in a reply costs the caller's process CPU (borrowing it) when the reply arrives, so a
+# lazy call's cost to its caller would grow with the gang's size (DESIGN 7: it must not).
+PACK_REFS_OVER = 16
 
 
 @dataclass
@@ -60,6 +65,25 @@ class CallOutput:
     balanced: bool = False
     # an eager call's values, in place of its refs (see runtime.inline); None: refs
     values: list | None = None
+    # (refs, metas) as one ObjectRef its dispatcher owns, in place of both (see ``packed``)
+    bundle: Any = None
+
+    def packed(self) -> CallOutput:
+        """This output as the reply to its caller: with more than PACK_REFS_OVER refs, they
+        travel as one object (a ``ray.put`` here, in the dispatcher) that the caller fetches
+        only when it needs them (``unpacked``), so the reply it receives with every lazy call
+        costs the same whatever the gang's size."""
+        if len(self.refs) + len(self.metas) <= PACK_REFS_OVER:
+            return self
+        return dataclasses.replace(self, refs=[], metas=[], bundle=ray.put((self.refs, self.metas)))
+
+    def unpacked(self, got: tuple[list, list] | None = None) -> CallOutput:
+        """The output with its refs at hand: fetches a packed reply's bundle (or takes ``got``,
+        the bundle's value awaited by an async caller)."""
+        if self.bundle is None:
+            return self
+        refs, metas = got if got is not None else ray.get(self.bundle)
+        return dataclasses.replace(self, refs=list(refs), metas=list(metas), bundle=None)
 
 
 @dataclass(frozen=True)
@@ -260,7 +284,7 @@ class LazyResult(Pending):
         """
         if self._out is None:
             try:
-                self._out = ray.get(self._plan_ref, timeout=timeout)
+                self._out = ray.get(self._plan_ref, timeout=timeout).unpacked()
             except GetTimeoutError:
                 where = f"{self.gang.cls_name}.{self.method}() on group '{self.gang.group}'"
                 raise CallTimeoutError(
@@ -272,7 +296,7 @@ class LazyResult(Pending):
                     # Ray failed the call before it ran: its arguments did not unpickle there
                     raise _unloadable(self, e) from None
                 raise user_error(e, self.gang, self.method, None, self._on_lost) from None
-            except RayActorError as e:
+            except (RayActorError, ObjectLostError) as e:  # lost: its dispatcher owned the bundle
                 raise self.gang.death_error(e, None, self._on_lost) from None
             except RaySystemError as e:
                 raise _unloadable(self, e) from None

@@ -170,6 +170,8 @@ class Router:
         out = lazy._out or self.recent.get(lazy._turn)
         if out is None:
             out = await lazy._plan_ref
+            if out.bundle is not None:  # a large gang's reply: its refs travel as one object
+                out = out.unpacked(await out.bundle)
         mode = lazy.collect
         producer = lazy.gang if lazy.gang is not None else self.own  # see sending.strip_own_gang
         if lazy.gang is not None and lazy.gang.dispatcher is not None:
