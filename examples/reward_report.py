@@ -1,7 +1,7 @@
 """The RLHF examples' reward report: a text curve and, with matplotlib, a PNG.
 
-Shared by ``rlhf_grpo.py`` and ``rlhf_fsdp_hf.py`` (run as scripts, this
-directory is on ``sys.path``). Driver-side only: no worker imports it.
+Shared by ``rlhf_grpo.py``, ``rlhf_fsdp_hf.py`` and ``vllm_megatron/grpo.py`` (run as scripts,
+this directory is on ``sys.path``; the last imports it as ``examples.reward_report``). Driver-side only: no worker imports it.
 
 Example::
 
@@ -51,3 +51,17 @@ def save_plot(rewards: list[float], path: str, *, baseline: float, title: str) -
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def gen_seconds(spans: list[dict], tags: list) -> list[float]:
+    """Per tag, the seconds of its generate call over the gang: from the first rank's start to
+    the last rank's end (``spans``: every rank's ``generate_spans()``; a vLLM engine is one rank).
+
+    >>> gen_seconds([{1: [10.0, 12.0]}, {1: [10.5, 13.0], 2: [14.0, 15.0]}], [1, 2])
+    [3.0, 1.0]
+    """
+    out = []
+    for tag in tags:
+        mine = [s[tag] for s in spans if tag in s]
+        out.append(max(e for _, e in mine) - min(b for b, _ in mine) if mine else float("nan"))
+    return out

@@ -100,7 +100,7 @@ from dataclasses import dataclass
 import checkpointing  # examples/ is on sys.path
 import numpy as np
 import torch
-from reward_report import reward_curve, save_plot
+from reward_report import gen_seconds, reward_curve, save_plot
 
 import twinkle_ray as twinkle
 from twinkle_ray import DeviceGroup, DeviceMesh, WorkerDiedError, remote_class, remote_function
@@ -251,20 +251,6 @@ def generate(sampler, prompts, balance: bool, tag: int | None = None):
     if not balance:
         return sampler.generate(prompts, tag)
     return sampler.rows(sampler.generate_grouped(prompts, tag))
-
-
-def gen_seconds(spans: list[dict], tags: list) -> list[float]:
-    """Per tag, the seconds of its generate call over the gang: from the first rank's start to
-    the last rank's end (``spans``: every rank's :meth:`Sampler.generate_spans`).
-
-    >>> gen_seconds([{1: [10.0, 12.0]}, {1: [10.5, 13.0], 2: [14.0, 15.0]}], [1, 2])
-    [3.0, 1.0]
-    """
-    out = []
-    for tag in tags:
-        mine = [s[tag] for s in spans if tag in s]
-        out.append(max(e for _, e in mine) - min(b for b, _ in mine) if mine else float("nan"))
-    return out
 
 
 @remote_class()

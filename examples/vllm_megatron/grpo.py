@@ -66,6 +66,7 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 import twinkle_ray as twinkle  # noqa: E402
+from examples.reward_report import gen_seconds  # noqa: E402
 from examples.vllm_megatron.common import INSTALL, MissingDependency, require  # noqa: E402
 from examples.vllm_megatron.tiny_llama import (  # noqa: E402
     RANDOM_POLICY_REWARD,
@@ -79,7 +80,6 @@ from examples.vllm_megatron.vllm_sampler import (  # noqa: E402
     VLLMSampler,
     balanced_sampler,
     check_model,
-    gen_seconds,
 )
 from twinkle_ray import DeviceGroup, DeviceMesh, remote_class, remote_function  # noqa: E402
 from twinkle_ray.data import DataLoader  # noqa: E402

@@ -390,17 +390,3 @@ def balanced_sampler(chunk: int | None, base: type = VLLMSampler) -> type:
             return [row for group in grouped for row in group]
 
     return BalancedVLLMSampler
-
-
-def gen_seconds(spans: list[dict], tags: list) -> list[float]:
-    """Per tag, the seconds of its generate call over the gang: from the first engine's start
-    to the last engine's end (``spans``: every engine's :meth:`VLLMSampler.generate_spans`).
-
-    >>> gen_seconds([{1: [10.0, 12.0]}, {1: [10.5, 13.0], 2: [14.0, 15.0]}], [1, 2])
-    [3.0, 1.0]
-    """
-    out = []
-    for tag in tags:
-        mine = [s[tag] for s in spans if tag in s]
-        out.append(max(e for _, e in mine) - min(b for b, _ in mine) if mine else float("nan"))
-    return out
