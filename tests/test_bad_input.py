@@ -108,14 +108,14 @@ def test_only_cpus_short_names_cpus_per_worker(runtime):
 
 
 def test_progress_after_setting(monkeypatch):
-    from twinkle_ray.runtime import placement
+    from twinkle_ray.runtime import progress
 
     monkeypatch.delenv("TWINKLE_PROGRESS_AFTER_S", raising=False)
-    assert placement.progress_after_s() == placement.PROGRESS_AFTER_S == 15.0
+    assert progress.progress_after_s() == progress.PROGRESS_AFTER_S == 15.0
     monkeypatch.setenv("TWINKLE_PROGRESS_AFTER_S", "2.5")
-    assert placement.progress_after_s() == 2.5
+    assert progress.progress_after_s() == 2.5
     monkeypatch.setenv("TWINKLE_PROGRESS_AFTER_S", "soon")  # not a number: the default
-    assert placement.progress_after_s() == 15.0
+    assert progress.progress_after_s() == 15.0
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from twinkle_ray import (
     remote_class,
     remote_function,
 )
-from twinkle_ray.runtime.worker import nccl_env
+from twinkle_ray.runtime.dist_setup import nccl_env
 from twinkle_ray.weights import WeightSync, WeightSyncMixin
 
 LIMIT_S = 20.0  # fault -> error, on a loaded 2-core machine; typical is a few seconds

@@ -22,7 +22,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..core import defaults
 from .dispatcher import RemoteDispatcher
-from .proxy import GangProxy, wait_with_progress
+from .progress import wait_with_progress
+from .proxy import GangProxy
 from .restarts import RebuildLedger, RestartPolicy
 from .sending import put_large, unpicklable
 from .spec import GangSpec

@@ -16,7 +16,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,30 +31,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..core.group import DeviceGroup
 from .errors import PlacementError
+from .progress import PROGRESS_EVERY_S, progress_after_s
 
 logger = logging.getLogger(__name__)
-
-# Long waits (placement here, gang start-up in gang.py) log a progress line on the
-# 'twinkle_ray' logger once they pass progress_after_s(), then every PROGRESS_EVERY_S.
-PROGRESS_AFTER_S = 15.0
-PROGRESS_EVERY_S = 10.0
-PROGRESS_ENV = "TWINKLE_PROGRESS_AFTER_S"
-
-
-def progress_after_s() -> float:
-    """Seconds a wait runs before its first progress line.
-
-    ``TWINKLE_PROGRESS_AFTER_S`` in the driver's environment when set (``0``
-    logs every wait from the first second), else ``PROGRESS_AFTER_S`` (15 s).
-    """
-    raw = os.environ.get(PROGRESS_ENV, "").strip()
-    if raw:
-        try:
-            return max(0.0, float(raw))
-        except ValueError:
-            logger.warning("ignoring %s=%r: not a number of seconds", PROGRESS_ENV, raw)
-    return PROGRESS_AFTER_S
-
 
 @dataclass(frozen=True)
 class BundleSlot:

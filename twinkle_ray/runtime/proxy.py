@@ -34,6 +34,7 @@ from ..core.platform import Platform
 from . import balance
 from .errors import WorkerDiedError
 from .lazy import GangRef, LazyResult, fetch
+from .progress import wait_with_progress
 from .restarts import RebuildLedger, RestartPolicy
 from .sending import _nbytes, put_large, sent_by_value, strip_own_gang, unpicklable
 
@@ -41,34 +42,6 @@ logger = logging.getLogger(__name__)
 
 # How long a proxy whose dispatcher died waits for the answer of one found under its name.
 LOOKUP_WAIT_S = 10.0
-# Progress lines on long waits: placement.progress_after_s() / PROGRESS_EVERY_S (one setting
-# for placement and gang start-up: 15 s, or TWINKLE_PROGRESS_AFTER_S).
-
-
-def wait_with_progress(ref, what: str, timeout_s: float | None) -> Any:
-    """ray.get ``ref``, logging a progress line (WARNING) on a really long wait.
-
-    The first line comes after ``placement.progress_after_s()`` (15 s, or
-    ``TWINKLE_PROGRESS_AFTER_S``), then one every ``PROGRESS_EVERY_S``.
-    """
-    from .placement import PROGRESS_EVERY_S, progress_after_s
-
-    start = time.monotonic()
-    next_note = progress_after_s()
-    while True:
-        elapsed = time.monotonic() - start
-        step = 1.0 if timeout_s is None else max(0.0, min(1.0, timeout_s - elapsed))
-        ready, _ = ray.wait([ref], timeout=step)
-        if ready:
-            return ray.get(ref)
-        elapsed = time.monotonic() - start
-        if timeout_s is not None and elapsed >= timeout_s:
-            raise TimeoutError(f"{what} did not finish within {timeout_s:g}s")
-        if elapsed >= next_note:
-            logger.warning("%s: still waiting after %.0fs", what, elapsed)
-            next_note += PROGRESS_EVERY_S
-
-
 def _caller() -> tuple[int, int] | None:
     """(rank, world size) when called from inside a gang worker, else None."""
     if "TWINKLE_WORKER" not in os.environ:

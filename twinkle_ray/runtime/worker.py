@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import socket
 import threading
 import time
@@ -33,11 +32,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..core.routing import TupleLengths, length_record
 from . import balance
+from .dist_setup import loopback_store, nccl_env, seed_everything, url_host, usable_backend
 from .inline import hold_unless_small
 from .lazy import END_OF_ITERATION
 from .message import WorkerCall
 from .metrics import GangMetrics, args_nbytes
-from .net import is_loopback, loopback_listener
+from .net import is_loopback
 from .placement import resource_options
 from .routed import resolve_routed
 
@@ -127,7 +127,7 @@ class GangWorker:
             backend = self._init_distributed(dist_timeout_s)
         self.phase = "the constructor"
         if seed is not None:
-            _seed_everything(seed)
+            seed_everything(seed)
         # Constructor arguments travel nested in a tuple, so Ray does not resolve the
         # ObjectRefs that put_large made of large ones: resolve_routed fetches them.
         args = tuple(resolve_routed(a) for a in args)
@@ -147,9 +147,11 @@ class GangWorker:
         if backend == "nccl":
             torch.cuda.set_device(0)
         rendezvous: dict[str, Any] = {
-            "init_method": f"tcp://{_url_host(self.info.master_addr)}:{os.environ['MASTER_PORT']}"}
+            "init_method": f"tcp://{url_host(self.info.master_addr)}:{os.environ['MASTER_PORT']}"}
         if is_loopback(self.info.master_addr):  # one node: keep the store and gloo on loopback
-            rendezvous = {"store": _loopback_store(self.info, int(os.environ["MASTER_PORT"]), timeout_s)}
+            port = int(os.environ["MASTER_PORT"])
+            rendezvous = {"store": loopback_store(self.info.rank, self.info.world_size, port,
+                                                  timeout_s)}
         dist.init_process_group(
             backend=backend,
             rank=self.info.rank,
@@ -302,68 +304,10 @@ class GangWorker:
             logger.debug("destroy_process_group failed", exc_info=True)
 
 
-def usable_backend(backend: str) -> str:
-    """The group's backend if this process can run it, else ``gloo``: ``nccl`` needs a
-    usable CUDA device (virtual GPUs have none), ``hccl`` needs ``torch_npu``.
-
-    >>> usable_backend("gloo")
-    'gloo'
-    """
-    if backend == "nccl":
-        import torch
-
-        return backend if torch.cuda.is_available() else "gloo"
-    if backend == "hccl":
-        try:
-            import torch_npu  # noqa: F401
-        except ImportError:
-            return "gloo"
-    return backend
-
-
-def nccl_env(timeout_s: float) -> dict[str, str]:
-    """Environment for torch's NCCL error handling and watchdog in a CUDA gang.
-
-    A collective that cannot complete (a peer died or raised before joining)
-    then errors after ``timeout_s`` and the communicator is aborted, instead of
-    hanging forever. Set before the process group is created; a user's own
-    setting of any of these wins.
-
-    >>> env = nccl_env(120)
-    >>> env["TORCH_NCCL_ASYNC_ERROR_HANDLING"], env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"]
-    ('1', '240')
-    """
-    return {
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # abort the communicator and raise on errors/timeouts
-        "TORCH_NCCL_ENABLE_MONITORING": "1",  # the watchdog's heartbeat monitor
-        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(int(max(60, 2 * timeout_s))),
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-    }
-
-
 def _meta(result: Any) -> int | TupleLengths | None:
     """The result's length record for lazy routing: its batch length (None when it is not one
     batch), per element for a tuple (collected element-wise, so routed element-wise)."""
     return length_record(result)
-
-
-def _url_host(addr: str) -> str:
-    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
-
-
-def _seed_everything(seed: int) -> None:
-    import sys
-
-    random.seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % (2**32))
-    except ImportError:  # numpy is a dependency, but stay robust
-        pass
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.manual_seed(seed)
 
 
 # control: watch() (always), progress() and pid() beside a running call.
@@ -396,30 +340,3 @@ def make_worker(
         ),
         **resource_options(resource_name if amount else None, amount, cpus),
     ).remote(info)
-
-
-def _loopback_store(info: WorkerInfo, port: int, timeout_s: float):
-    """The rendezvous TCPStore of a one-node gang, listening on 127.0.0.1 only.
-
-    torch's TCPStore server binds every interface for a host name; rank 0
-    binds the port on loopback itself and hands the socket over
-    (``master_listen_fd``). On a loopback-only Ray (the embedded default),
-    gloo's pairs go on the loopback interface too (``GLOO_SOCKET_IFNAME``,
-    unless set); on a cluster's node gloo keeps its default, as a weight sync
-    with another node's gang needs it.
-    """
-    import torch.distributed as dist
-
-    if is_loopback(ray.util.get_node_ip_address()):
-        names = {name for _, name in socket.if_nameindex()}
-        lo = next((n for n in ("lo", "lo0") if n in names), None)  # Linux, macOS
-        if lo is not None:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
-    common = dict(host_name="127.0.0.1", port=port, world_size=info.world_size,
-                  timeout=timedelta(seconds=timeout_s))
-    if info.rank != 0:
-        return dist.TCPStore(is_master=False, **common)
-    listener = loopback_listener("127.0.0.1", port, info.world_size)
-    store = dist.TCPStore(is_master=True, master_listen_fd=listener.fileno(), **common)
-    listener.detach()  # the store owns the socket now
-    return store
