@@ -9,10 +9,15 @@ a small gang's plain reply gives.
 
 from __future__ import annotations
 
+import pickle
+import time
+
 import pytest
 import ray
 
+from conftest import NAMESPACE
 from twinkle_ray import DeviceGroup, DeviceMesh, get_rank, remote_class, remote_function
+from twinkle_ray.runtime.errors import WorkerDiedError
 from twinkle_ray.runtime.lazy import PACK_REFS_OVER
 
 N = 9  # 9 outputs + 9 length records: over PACK_REFS_OVER
@@ -34,6 +39,14 @@ class Rows:
     def seen(self, batch):
         return list(batch)
 
+    @remote_function(dispatch="all", collect="flatten")
+    def tile(self, n: int):
+        return [10 * get_rank() + j for j in range(n)]
+
+    @remote_function(dispatch="balance", collect="flatten", chunk_size=2)
+    def square(self, xs):
+        return [x * x for x in xs]
+
 
 @pytest.fixture(scope="module")
 def gangs(ray_session):
@@ -41,10 +54,12 @@ def gangs(ray_session):
 
     twinkle_ray.shutdown()
     twinkle_ray.initialize(groups=[DeviceGroup("big", N, "cpu", cpus_per_worker=0.5),
-                                   DeviceGroup("small", 2, "cpu", cpus_per_worker=0.5)])
+                                   DeviceGroup("small", 2, "cpu", cpus_per_worker=0.5),
+                                   DeviceGroup("lone", 2, "cpu", cpus_per_worker=0.5)])
     big = Rows(device_mesh=DeviceMesh.from_sizes(dp_size=N), remote_group="big")
     small = Rows(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="small")
-    yield big, small
+    lone = Rows(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="lone")
+    yield big, small, lone
     twinkle_ray.shutdown()
 
 
@@ -53,7 +68,7 @@ def _expected(uneven: bool) -> list[int]:
 
 
 def test_large_reply_is_one_ref_and_get_sees_every_rank(gangs):
-    big, _ = gangs
+    big, _, _ = gangs
     out = big.rows()
     reply = ray.get(out._plan_ref)
     assert 2 * N > PACK_REFS_OVER
@@ -63,7 +78,7 @@ def test_large_reply_is_one_ref_and_get_sees_every_rank(gangs):
 
 
 def test_packed_producer_routes_into_another_gang(gangs):
-    big, small = gangs
+    big, small, _ = gangs
     for uneven in (False, True):
         want = _expected(uneven)
         got = small.seen(big.rows(uneven)).get()
@@ -72,8 +87,71 @@ def test_packed_producer_routes_into_another_gang(gangs):
 
 
 def test_packed_aligned_producer_with_uneven_lengths_routes_into_its_own_gang(gangs):
-    big, _ = gangs
+    big, _, _ = gangs
     want = _expected(True)  # 13 items over 9 data ranks: windows cross the outputs
     got = big.seen(big.rows(True)).get()
     assert [x for part in got for x in part] == want
     assert [len(part) for part in got] == [2, 2, 2, 2, 1, 1, 1, 1, 1]
+
+
+def test_balanced_positions_records_travel_packed(gangs):
+    big, small, _ = gangs
+    out = big.square(list(range(23)))
+    assert ray.get(out._plan_ref).bundle is not None
+    assert out.get() == [x * x for x in range(23)]  # in input order, from the packed records
+    got = small.seen(big.square(list(range(23)))).get()
+    assert got[0] + got[1] == [x * x for x in range(23)]
+
+
+def test_a_collected_result_passed_on_does_not_carry_its_refs(gangs):
+    big, small, _ = gangs
+    out = big.rows()
+    assert out.get() == _expected(False)  # the caller unpacked its refs...
+    copy = pickle.loads(pickle.dumps(out))
+    assert copy._out is None  # ...and a copy sent on reads the reply, one ref, instead
+    assert small.seen(out).get() == [_expected(False)[:5], _expected(False)[5:]]
+
+
+def _kill_dispatcher(proxy) -> None:
+    dispatcher = ray.get_actor(proxy.label, namespace=NAMESPACE)
+    ray.kill(dispatcher, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):  # dead before anything reads its objects
+        for _ in range(100):
+            ray.get(dispatcher.death.remote(0), timeout=10)
+            time.sleep(0.1)
+
+
+def test_a_call_that_lost_inputs_of_a_dead_producer_dispatcher_names_that_producer(gangs):
+    """A small producer's reply carries its refs: the consumer's tasks are sent, and fail on
+    length records whose owner (the producer's dispatcher) is gone. That is the producer's
+    death, not one of the consumer's ranks (it was named 'rank 0 of big' before)."""
+    big, _, lone = gangs
+    out = lone.tile(3)
+    ray.get(out._plan_ref)
+    _kill_dispatcher(lone)
+    with pytest.raises(WorkerDiedError) as got:
+        big.seen(out).get()
+    assert got.value.kind == "dispatcher" and got.value.group == "lone", got.value
+
+
+def test_a_dead_producer_dispatcher_is_named_by_get_and_by_a_consumer(gangs):
+    """Last in the module: it kills the big gang's dispatcher (the fixture tears it down).
+
+    Ray may still serve objects of a dead owner that sit in this node's store for a moment, so
+    each read gives either the right values or the dispatcher's death, named: never another
+    gang's rank, never Ray's raw OwnerDiedError."""
+    big, small, _ = gangs
+    first, second = big.rows(), big.rows()
+    ray.get([first._plan_ref, second._plan_ref])  # the replies are here; the bundles stay there
+    _kill_dispatcher(big)
+
+    def outcome(read):
+        try:
+            return read()
+        except WorkerDiedError as e:
+            assert e.kind == "dispatcher" and e.group == "big", e
+            return "died"
+
+    assert outcome(first.get) in (_expected(False), "died")
+    assert outcome(lambda: small.seen(second).get()) in (
+        [_expected(False)[:5], _expected(False)[5:]], "died")

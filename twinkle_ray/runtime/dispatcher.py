@@ -39,10 +39,11 @@ import os
 from typing import Any
 
 import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from .aio import all_or_first_error, values
 from .build import Builder
-from .errors import GangStuckError, WorkerDiedError
+from .errors import GangStuckError, WorkerDiedError, death_cause
 from .health import DeathRecord, Health
 from .lazy import END_OF_ITERATION, CallOutput, GangRef
 from .metrics import GangMetrics
@@ -162,8 +163,9 @@ class Dispatcher:
         whose output this one took as an input). None: no death known."""
         if actor_id is not None and actor_id in self.state.table:  # ours: that generation's death
             return await self.deaths.of_actor(actor_id, wait_s)
-        if actor_id is None:
-            return await self.deaths.last(wait_s)
+        if actor_id is None:  # an object was lost (no actor named): ours, or a producer's
+            own = await self.deaths.last(wait_s)
+            return own if own is not None or not ask_producers else await self._lost_producer()
         if ask_producers:
             producers = self._router.producers if self._router is not None else {}
             for handle in list(producers.values()):
@@ -173,6 +175,20 @@ class Dispatcher:
                     continue
                 if err is not None:
                     return err
+        return None
+
+    async def _lost_producer(self) -> WorkerDiedError | None:
+        """The first producer gang whose dispatcher is gone (None: none is). It owned the
+        outputs and length records this gang's calls took as inputs: a call that failed on a
+        lost object while this gang had no death lost one of those."""
+        producers = self._router.producers if self._router is not None else {}
+        for (group, cls), handle in list(producers.items()):
+            try:
+                await handle.death.remote(0)
+            except ActorUnavailableError:  # unreachable for now, not known dead
+                continue
+            except RayActorError as e:
+                return WorkerDiedError(group, cls, None, None, death_cause(e), kind="dispatcher")
         return None
 
     async def check_health(self, wait: bool = False) -> None:

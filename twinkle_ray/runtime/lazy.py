@@ -68,22 +68,32 @@ class CallOutput:
     # (refs, metas) as one ObjectRef its dispatcher owns, in place of both (see ``packed``)
     bundle: Any = None
 
+    def _large(self) -> bool:
+        return len(self.refs) + len(self.metas) > PACK_REFS_OVER
+
     def packed(self) -> CallOutput:
         """This output as the reply to its caller: with more than PACK_REFS_OVER refs, they
         travel as one object (a ``ray.put`` here, in the dispatcher) that the caller fetches
         only when it needs them (``unpacked``), so the reply it receives with every lazy call
         costs the same whatever the gang's size."""
-        if len(self.refs) + len(self.metas) <= PACK_REFS_OVER:
+        if not self._large():
             return self
         return dataclasses.replace(self, refs=[], metas=[], bundle=ray.put((self.refs, self.metas)))
 
-    def unpacked(self, got: tuple[list, list] | None = None) -> CallOutput:
+    def unpacked(self, got: tuple[list, list] | None = None,
+                 timeout: float | None = None) -> CallOutput:
         """The output with its refs at hand: fetches a packed reply's bundle (or takes ``got``,
         the bundle's value awaited by an async caller)."""
         if self.bundle is None:
             return self
-        refs, metas = got if got is not None else ray.get(self.bundle)
+        refs, metas = got if got is not None else ray.get(self.bundle, timeout=timeout)
         return dataclasses.replace(self, refs=list(refs), metas=list(metas), bundle=None)
+
+    def traveling(self) -> CallOutput | None:
+        """What a LazyResult sent to another process carries of this output: itself, or None
+        when its refs are many (the receiver reads the call's reply instead, which carries
+        them as one object): a LazyResult a caller has collected stays cheap to pass on."""
+        return None if self._large() else self
 
 
 @dataclass(frozen=True)
@@ -283,10 +293,11 @@ class LazyResult(Pending):
         its caller's earlier call, a stuck check or the gang's rebuild).
         """
         if self._out is None:
+            where = f"{self.gang.cls_name}.{self.method}() on group '{self.gang.group}'"
+            start = time.monotonic()
             try:
-                self._out = ray.get(self._plan_ref, timeout=timeout).unpacked()
+                reply = ray.get(self._plan_ref, timeout=timeout)
             except GetTimeoutError:
-                where = f"{self.gang.cls_name}.{self.method}() on group '{self.gang.group}'"
                 raise CallTimeoutError(
                     f"{where}: not started on any rank within {timeout:g}s (it waits in the "
                     f"dispatcher, behind its caller's earlier call, a stuck check or the gang's "
@@ -296,10 +307,19 @@ class LazyResult(Pending):
                     # Ray failed the call before it ran: its arguments did not unpickle there
                     raise _unloadable(self, e) from None
                 raise user_error(e, self.gang, self.method, None, self._on_lost) from None
-            except (RayActorError, ObjectLostError) as e:  # lost: its dispatcher owned the bundle
+            except RayActorError as e:
                 raise self.gang.death_error(e, None, self._on_lost) from None
             except RaySystemError as e:
                 raise _unloadable(self, e) from None
+            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+            try:
+                self._out = reply.unpacked(timeout=left)
+            except GetTimeoutError:
+                raise CallTimeoutError(
+                    f"{where}: submitted, but the refs of its outputs (held by the gang's "
+                    f"dispatcher) did not arrive within {timeout:g}s", []) from None
+            except ObjectLostError as e:  # its dispatcher (the bundle's owner) died
+                raise self.gang.death_error(e, None, self._on_lost) from None
         return self._out
 
     @property
@@ -381,7 +401,8 @@ class LazyResult(Pending):
         # Travels as refs + routing facts; never with a fetched value.
         return (
             _rebuild_lazy,
-            (self._plan_ref, self.collect, self.gang, self.method, self.timeout, self._out, self._turn),
+            (self._plan_ref, self.collect, self.gang, self.method, self.timeout,
+             self._out.traveling() if self._out is not None else None, self._turn),
         )
 
 

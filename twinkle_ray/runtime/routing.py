@@ -24,9 +24,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from ray.exceptions import ObjectLostError, RayActorError
+
 from ..core.dispatch import worker_data_ranks
 from ..core.routing import peer_workers
 from . import balance
+from .errors import WorkerDiedError, death_cause
 from .lazy import CallOutput, GangRef, LazyResult
 from .message import WorkerCall
 from .routed import Collected, Pieces, Window
@@ -168,12 +171,10 @@ class Router:
         own window from them.
         """
         out = lazy._out or self.recent.get(lazy._turn)
-        if out is None:
-            out = await lazy._plan_ref
-            if out.bundle is not None:  # a large gang's reply: its refs travel as one object
-                out = out.unpacked(await out.bundle)
-        mode = lazy.collect
         producer = lazy.gang if lazy.gang is not None else self.own  # see sending.strip_own_gang
+        if out is None or out.bundle is not None:
+            out = await _fetched_plan(lazy, out, producer)
+        mode = lazy.collect
         if lazy.gang is not None and lazy.gang.dispatcher is not None:
             self.producers[(lazy.gang.group, lazy.gang.cls_name)] = lazy.gang.dispatcher
         if out.balanced:  # a balanced producer: windows over input positions (runtime.balance)
@@ -221,6 +222,24 @@ class Router:
             Pieces(refs, **common, length_slots=slots, window=Window(parts, index[i], where, source))
             for i in range(n)
         ]
+
+
+async def _fetched_plan(lazy: LazyResult, out: CallOutput | None, producer: GangRef) -> CallOutput:
+    """A producer's plan this gang does not have at hand: its dispatcher's reply and, from a
+    large gang, the bundle of its refs. Lost with that dispatcher: a WorkerDiedError naming the
+    producer's dispatcher (never Ray's raw error, which would blame this gang's call)."""
+    try:
+        if out is None:
+            out = await lazy._plan_ref
+        if out.bundle is not None:  # a large gang's reply: its refs travel as one object
+            out = out.unpacked(await out.bundle)
+        return out
+    except (RayActorError, ObjectLostError) as e:
+        node_id, ip = producer.dispatcher_node or (None, None)
+        cause = (f"{death_cause(e).rstrip('.')}; it held the outputs of "
+                 f"{producer.cls_name}.{lazy.method}(), an input of this call")
+        raise WorkerDiedError(producer.group, producer.cls_name, None, ip, cause, node_id=node_id,
+                              kind="dispatcher") from None
 
 
 def _with_aligned_slots(start: int, args: tuple, kwargs: dict) -> tuple[list, tuple, dict]:
