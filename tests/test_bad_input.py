@@ -120,9 +120,9 @@ def test_progress_after_setting(monkeypatch):
 
 @pytest.mark.slow
 def test_busy_cluster_times_out_and_leaves_nothing(runtime, caplog, monkeypatch):
-    from twinkle_ray.runtime import placement
+    from twinkle_ray.runtime import progress
 
-    monkeypatch.setattr(placement, "PROGRESS_AFTER_S", 0.5)
+    monkeypatch.setattr(progress, "PROGRESS_AFTER_S", 0.5)
     runtime.initialize(groups=[DeviceGroup("all8", 8, "cuda")], placement_timeout_s=2.0)
     caplog.set_level(logging.WARNING, logger="twinkle_ray")
     t0 = time.monotonic()
