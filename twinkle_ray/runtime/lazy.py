@@ -117,6 +117,17 @@ class GangRef:
     label: str | None = None
     namespace: str | None = None
 
+    def plan_lost(self, exc: BaseException, method: str) -> WorkerDiedError:
+        """The error for a consumer that could not read this gang's plan of ``method`` (its
+        outputs' refs, an input of the consumer's call): the producer's dispatcher, which held
+        them, is gone. Named here, never as the consumer's own death (the router and a consumer
+        worker both raise it)."""
+        node_id, ip = self.dispatcher_node or (None, None)
+        cause = (f"{death_cause(exc).rstrip('.')}; it held the outputs of "
+                 f"{self.cls_name}.{method}(), an input of this call")
+        return WorkerDiedError(self.group, self.cls_name, None, ip, cause, node_id=node_id,
+                               kind="dispatcher")
+
     def death_error(self, exc: BaseException, rank: int | None,
                     on_lost: Callable[[GangRef], None] | None = None) -> WorkerDiedError:
         """The WorkerDiedError for a failed ref: the dispatcher's record of the first death.

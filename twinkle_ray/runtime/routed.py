@@ -162,11 +162,8 @@ class Pieces:
         if fetch_ks and self.refs is None:
             try:
                 self.refs = list(ray.get(self.refs_ref).unpacked().refs)[:self.n_refs]
-            except RayError as e:  # the producer's caller (owner of its plan) or dispatcher died
-                err = self.producer.death_error(e, None)  # aligned markers name their producer
-                err.add_note(f"while fetching the plan of {err.cls}.{self.method}() (its outputs' "
-                             f"refs) as an input: its owner is gone")
-                raise err from None
+            except RayError as e:  # aligned markers name their producer
+                raise self.producer.plan_lost(e, self.method) from None
         got = dict(zip(fetch_ks, pull([self.refs[k] for k in fetch_ks], self.producer, self.method,
                                       [self.ranks[k] if self.ranks else None for k in fetch_ks]),
                        strict=True))

@@ -29,7 +29,6 @@ from ray.exceptions import ObjectLostError, RayActorError
 from ..core.dispatch import worker_data_ranks
 from ..core.routing import peer_workers
 from . import balance
-from .errors import WorkerDiedError, death_cause
 from .lazy import CallOutput, GangRef, LazyResult
 from .message import WorkerCall
 from .routed import Collected, Pieces, Window
@@ -235,11 +234,7 @@ async def _fetched_plan(lazy: LazyResult, out: CallOutput | None, producer: Gang
             out = out.unpacked(await out.bundle)
         return out
     except (RayActorError, ObjectLostError) as e:
-        node_id, ip = producer.dispatcher_node or (None, None)
-        cause = (f"{death_cause(e).rstrip('.')}; it held the outputs of "
-                 f"{producer.cls_name}.{lazy.method}(), an input of this call")
-        raise WorkerDiedError(producer.group, producer.cls_name, None, ip, cause, node_id=node_id,
-                              kind="dispatcher") from None
+        raise producer.plan_lost(e, lazy.method) from None
 
 
 def _with_aligned_slots(start: int, args: tuple, kwargs: dict) -> tuple[list, tuple, dict]:
