@@ -89,11 +89,12 @@ class CallOutput:
         refs, metas = got if got is not None else ray.get(self.bundle, timeout=timeout)
         return dataclasses.replace(self, refs=list(refs), metas=list(metas), bundle=None)
 
-    def traveling(self) -> CallOutput | None:
-        """What a LazyResult sent to another process carries of this output: itself, or None
-        when its refs are many (the receiver reads the call's reply instead, which carries
-        them as one object): a LazyResult a caller has collected stays cheap to pass on."""
-        return None if self._large() else self
+
+def traveling(out: CallOutput | None) -> CallOutput | None:
+    """What a LazyResult sent to another process carries of its output ``out``: ``out``, or
+    None when its refs are many (the receiver reads the call's reply instead, which carries
+    them as one object): a LazyResult a caller has collected stays cheap to pass on."""
+    return None if out is None or out._large() else out
 
 
 @dataclass(frozen=True)
@@ -413,7 +414,7 @@ class LazyResult(Pending):
         return (
             _rebuild_lazy,
             (self._plan_ref, self.collect, self.gang, self.method, self.timeout,
-             self._out.traveling() if self._out is not None else None, self._turn),
+             traveling(self._out), self._turn),
         )
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import cloudpickle
 import ray
 
-from .lazy import GangRef, LazyResult
+from .lazy import GangRef, LazyResult, traveling
 
 PUT_THRESHOLD_BYTES = 64 * 1024
 
@@ -55,8 +55,7 @@ def strip_own_gang(per_worker: list[tuple[tuple, dict]], gang: GangRef) -> list[
         c = light.get(id(v))
         if c is None:  # one copy per value, so the dispatcher routes it once
             c = light[id(v)] = LazyResult(v._plan_ref, collect=v.collect, gang=None, method=v.method,
-                                          timeout=v.timeout, turn=v._turn,
-                                          out=v._out.traveling() if v._out is not None else None)
+                                          timeout=v.timeout, out=traveling(v._out), turn=v._turn)
         return c
 
     if not any(isinstance(v, LazyResult) for a, kw in per_worker for v in (*a, *kw.values())):
