@@ -39,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_VS_FLOOR = 1.5  # issue 28: the 2-raylet flow within 1.5x Ray's measured transfer floor
+STORE_PER_NODE_MB = 2048  # each raylet's object store: a few 256 MB flows (producers', raw's, the floor's) at once
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -66,11 +67,15 @@ def run(argv: list[str] | None = None) -> dict:
     from bench.timing import compare_many, ratios
     from twinkle_ray import DeviceGroup, DeviceMesh
 
+    # Each raylet's object store holds a whole flow: Cluster's default (150 MiB per node) made
+    # a 256 MB flow spill on node A and stall the pulls into node B (about 2 s per sample).
+    store = STORE_PER_NODE_MB * 2**20
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 4, "resources": {"node_a": 8}, "include_dashboard": False})
+        "num_cpus": 4, "resources": {"node_a": 8}, "include_dashboard": False,
+        "object_store_memory": store})
     trace_dir = tempfile.mkdtemp(prefix="twinkle-flow2-")
     try:
-        cluster.add_node(num_cpus=2, resources={"node_b": 8})  # inside: a failed start still tears down
+        cluster.add_node(num_cpus=2, resources={"node_b": 8}, object_store_memory=store)  # inside: a failed start still tears down
         ray.init(address=cluster.address, namespace="twinkle-bench", log_to_driver=False,
                  logging_level="WARNING")
         twinkle.initialize("ray", namespace="twinkle-bench", groups=[
