@@ -1,12 +1,19 @@
-"""Node-loss scenarios on a ray.cluster_utils.Cluster of 3 nodes, one per run of this script.
+"""Node-loss scenarios on one ray.cluster_utils.Cluster, run in turn by one run of this script.
 
 Run by tests/test_node_loss.py as its own Ray driver (a subprocess: the cluster is a Ray of its
 own, apart from the test session's). The head holds no gang resources; two worker nodes hold 2
-CPUs each, so a 4-worker gang has 2 ranks on each. Prints one ``RESULT {json}`` line.
+CPUs each, so a 4-worker gang has 2 ranks on each. Before each scenario a node is added where
+the last one left only one worker node. Prints one ``RESULT {json}`` line: the cluster's address
+and each scenario's record under its name.
 
-    python tests/node_loss_driver.py worker-node-lost   # rebuilt on a node added back
-    python tests/node_loss_driver.py no-capacity        # PlacementError, nothing reserved
-    python tests/node_loss_driver.py dispatcher-node-lost   # the dispatcher's node: named
+    python tests/node_loss_driver.py no-capacity worker-node-lost dispatcher-node-lost
+    # no-capacity: PlacementError, nothing reserved; worker-node-lost: rebuilt on a node added
+    # back; dispatcher-node-lost (last: its placement group stays until this driver's job ends,
+    # see docs/failures.md): the dispatcher's node, named
+
+Ray declares a killed node dead after ``health_check_period_ms`` x ``health_check_failure_threshold``
+(3 s x 5 by default); this cluster checks every 1 s, 3 failures (a killed raylet refuses each
+check at once; a live one has ``health_check_timeout_ms``, Ray's 10 s, to answer).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import twinkle_ray as twinkle
 from twinkle_ray import DeviceGroup, WorkerDiedError, get_rank, remote_class, remote_function
 
 GROUP = "job/trainer"  # a '/' in the group name, as DeviceGroup allows
+HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 
 
 class _Stateful:
@@ -123,29 +131,26 @@ def dispatcher_node_lost(cluster: Cluster, nodes: list, out: dict) -> None:
     out["victim"] = victim.node_id
     out["dispatcher_node"] = g.topology()["dispatcher_node"][0]
     remove_during_call(cluster, victim, g, out)
+    nodes.remove(victim)
     deadline = time.monotonic() + 30  # the creator's gang goes with it
     while leftovers("node-loss")["actors"] and time.monotonic() < deadline:
         time.sleep(0.5)
     out["left"] = leftovers("node-loss")
 
 
-def main(scenario: str) -> dict:
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 0, "include_dashboard": False})
-    # The dispatcher (num_cpus=0) shares its creator's node: the driver's (the head) here, or
-    # in the dispatcher scenario a worker node, where an actor creates the gang.
-    nodes = [cluster.add_node(num_cpus=2), cluster.add_node(num_cpus=2)]
-    out: dict = {"scenario": scenario, "address": cluster.address}
+def run_scenario(cluster: Cluster, nodes: list, scenario: str) -> dict:
+    """One scenario on ``cluster`` (worker nodes ``nodes``, updated as nodes leave and join)."""
+    out: dict = {"scenario": scenario}
+    if scenario == "dispatcher-node-lost":  # the gang is the creator's, not this driver's
+        dispatcher_node_lost(cluster, nodes, out)
+        return out
     ckpt = tempfile.mkdtemp(prefix="twinkle-node-loss-")
+    twinkle.initialize(address=cluster.address, namespace="node-loss",
+                       groups=[DeviceGroup(GROUP, 4, "cpu")],
+                       # no-capacity: how long the rebuild looks for a node before it gives up (the group's
+                       # first reservation, on the nodes there, takes well under a second)
+                       placement_timeout_s=6.0 if scenario == "no-capacity" else 120.0)
     try:
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, namespace="node-loss")
-        if scenario == "dispatcher-node-lost":  # the gang is the creator's, not this driver's
-            dispatcher_node_lost(cluster, nodes, out)
-            return out
-        twinkle.initialize(address=cluster.address, namespace="node-loss",
-                           groups=[DeviceGroup(GROUP, 4, "cpu")],
-                           placement_timeout_s=15.0 if scenario == "no-capacity" else 120.0)
         g = Healing(remote_group=GROUP)
         where = g.where()()
         desc = g.topology()
@@ -158,6 +163,7 @@ def main(scenario: str) -> dict:
         g.save_state(path=ckpt)  # files: survive the node's object store
         g.set_value(2)()  # lost by the rebuild
         t0 = remove_during_call(cluster, victim, g, out)
+        nodes.remove(victim)
         if scenario == "worker-node-lost":
             time.sleep(1.0)
             t1 = time.monotonic()
@@ -183,9 +189,36 @@ def main(scenario: str) -> dict:
                    and time.monotonic() < deadline):
                 time.sleep(0.5)
             out["available"] = ray.available_resources().get("CPU", 0.0)
+    finally:
         twinkle.shutdown()
-        time.sleep(1.0)  # kills land
-        out["left_after_shutdown"] = leftovers("node-loss")
+    time.sleep(1.0)  # kills land
+    out["left_after_shutdown"] = leftovers("node-loss")
+    return out
+
+
+def main(scenarios: list[str]) -> dict:
+    t0 = time.monotonic()
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                      "_system_config": HEALTH_CHECKS})
+    # The dispatcher (num_cpus=0) shares its creator's node: the driver's (the head) here, or
+    # in the dispatcher scenario a worker node, where an actor creates the gang.
+    nodes = [cluster.add_node(num_cpus=2), cluster.add_node(num_cpus=2)]
+    out: dict = {"address": cluster.address}
+    try:
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace="node-loss")
+        out["start_s"] = time.monotonic() - t0
+        for scenario in scenarios:
+            while len(nodes) < 2:  # the last scenario's lost node, replaced
+                nodes.append(cluster.add_node(num_cpus=2))
+            cluster.wait_for_nodes()
+            t0 = time.monotonic()
+            try:
+                out[scenario] = run_scenario(cluster, nodes, scenario)
+            except Exception as e:  # recorded, so the test names it; the next scenario still runs
+                out[scenario] = {"scenario": scenario, "failed": f"{type(e).__name__}: {e}"}
+            out[scenario]["took_s"] = time.monotonic() - t0
     finally:
         twinkle.shutdown()
         ray.shutdown()
@@ -195,4 +228,4 @@ def main(scenario: str) -> dict:
 
 if __name__ == "__main__":
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    print("RESULT " + json.dumps(main(sys.argv[1])), flush=True)
+    print("RESULT " + json.dumps(main(sys.argv[1:])), flush=True)

@@ -54,7 +54,8 @@ class Reward(_Ranks):
     """Like a reward worker or a vLLM sampler: no torch.distributed in the gang."""
 
 
-@remote_class()
+# A stuck check 1 s after a failure (the default is 3 s): the test's busy rank sleeps 3x that.
+@remote_class(stuck_grace_s=1.0)
 class Trainer(_Ranks):
     """Two ranks with torch.distributed (gloo)."""
 
@@ -87,7 +88,7 @@ def test_ranks_on_an_earlier_call_are_not_stuck(runtime):
     runtime.initialize(groups=[DeviceGroup("tr", 2, "cpu")])
     g = Trainer(remote_group="tr")
     pids = g.pid()()
-    earlier = g.slow_on(1, 6.0)  # rank 1 is busy with this call...
+    earlier = g.slow_on(1, 3.0)  # rank 1 is busy with this call past the grace period...
     with pytest.raises(KeyError, match="bad item on rank 0"):
         g.fail_or_work(0, 0.0)()  # ...while rank 0 raises on the next one
     assert earlier() == [0, 1]
@@ -122,7 +123,8 @@ def _workers_of(label: str) -> list[str]:
 @pytest.mark.slow  # a rebuild left to its deadline (start_timeout_s, which also bounds the first start)
 def test_a_hung_rebuild_ends_in_gang_rebuild_error_and_restart_brings_it_back(runtime, tmp_path):
     marker = str(tmp_path / "hang")
-    runtime.initialize(groups=[DeviceGroup("hr", 2, "cpu")], start_timeout_s=60)
+    # The rebuild waits this out: 20 s, still ~10x a no-torch gang's start on a loaded machine.
+    runtime.initialize(groups=[DeviceGroup("hr", 2, "cpu")], start_timeout_s=20)
     g = HangsOnRebuild(marker, remote_group="hr")
     label = g.topology()["label"]
     open(marker, "w").close()  # the rebuilt rank 1 will hang
@@ -132,7 +134,7 @@ def test_a_hung_rebuild_ends_in_gang_rebuild_error_and_restart_brings_it_back(ru
     with pytest.raises(GangRebuildError) as info:
         g.pid()()
     err = str(info.value)
-    assert "the constructor of rank(s) [1] did not finish within start_timeout_s=60s" in err, err
+    assert "the constructor of rank(s) [1] did not finish within start_timeout_s=20s" in err, err
     assert "worker rank 0 of HangsOnRebuild in group 'hr' died" in err  # and the death it followed
     _until("the half-built workers killed", lambda: not _workers_of(label), 30)
     os.remove(marker)
@@ -208,7 +210,7 @@ def test_a_rebuilding_replica_is_not_healthy(ray_session, tmp_path):
 
 
 # ---------------------------------------------------------------------------- 5. proxy copies
-@remote_class(max_restarts=1)
+@remote_class(max_restarts=1, distributed=False)  # no torch: its respawn starts sooner
 class Served(_Ranks):
     pass
 

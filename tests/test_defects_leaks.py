@@ -143,7 +143,7 @@ def test_a_lazy_result_does_not_hold_its_inputs(runtime):
 
 
 # ------------------------------------------------------------------------- item 9
-@remote_class()
+@remote_class(distributed=False)  # the dispatcher's tables need no torch.distributed
 class Nop:
     @remote_function(dispatch="all", collect="none")
     def nop(self) -> None:

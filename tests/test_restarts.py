@@ -89,7 +89,7 @@ class Plain:
         return x
 
 
-@remote_class(max_restarts=1)
+@remote_class(max_restarts=1, distributed=False)  # no torch: each (re)build starts sooner
 class FailsOnRebuild:
     """Starts once; a rebuild's constructor raises when the marker file exists."""
 
@@ -102,7 +102,7 @@ class FailsOnRebuild:
         return os.getpid()
 
 
-@remote_class(max_restarts=1)
+@remote_class(max_restarts=1, distributed=False)
 class OneRestart:
     @remote_function(dispatch="all", collect="none")
     def pid(self) -> int:
