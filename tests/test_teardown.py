@@ -80,9 +80,9 @@ def test_driver_exit_without_shutdown_leaves_nothing(ray_session):
     assert not pgs, pgs
 
 
-# Calls made (a chained pair counts 2): 716 results checked in 12 rounds of up to 64 pending, each
-# of the five modes 129-167 times (seed 1234).
-SOAK_CALLS = 1000
+# Calls made (a chained pair counts 2): over 1,000 results checked in rounds of up to 64 pending
+# (seed 1234). Kept at 2,000: this soak is the routing invariant's long run.
+SOAK_CALLS = 2000
 
 
 def checksum(call: int, i: int) -> int:
@@ -114,7 +114,7 @@ def _span(n: int, parts: int, k: int) -> range:
 
 
 @pytest.mark.slow
-def test_soak_a_thousand_calls_nothing_lost_duplicated_or_misrouted(runtime):
+def test_soak_two_thousand_calls_nothing_lost_duplicated_or_misrouted(runtime):
     runtime.initialize(groups=[DeviceGroup("p", 2, "cpu"), DeviceGroup("c", 3, "cpu")])
     p = Soaker(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="p")
     c = Soaker(device_mesh=DeviceMesh.from_sizes(dp_size=3), remote_group="c")
@@ -153,4 +153,4 @@ def test_soak_a_thousand_calls_nothing_lost_duplicated_or_misrouted(runtime):
                 assert all(cs == checksum(ci, i) for ci, i, cs in seen)
                 checked += 1
             pending.clear()
-    assert calls >= SOAK_CALLS and checked > SOAK_CALLS // 2  # 716 results, in 12 rounds of 64
+    assert calls >= SOAK_CALLS and checked > SOAK_CALLS // 2
