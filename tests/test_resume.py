@@ -221,26 +221,25 @@ FSDP_EXAMPLE = EXAMPLE.parent / "rlhf_fsdp_hf.py"
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_fsdp_example_resumes_exactly(tmp_path):
+def test_fsdp_example_resumes_exactly(ray_session, tmp_path):
     """rlhf_fsdp_hf.py: a run of 4 steps (checkpoints 2 and 4); with checkpoint 4 gone, --resume redoes
     steps 3-4 from checkpoint 2 (FSDP2 shards, optimizer, RNGs) and ends with the same rewards and
-    the same final weights (the greedy score of the HF checkpoint)."""
+    the same final weights (the greedy score of the HF checkpoint). Both drivers attach to the
+    session's Ray (RAY_ADDRESS, as under ``ray job submit``): a resume is a new driver, and what it
+    restores is all in the checkpoint, none of it in the Ray that ran the first one."""
     pytest.importorskip("transformers")
-    ray_tmp = tempfile.mkdtemp(prefix="twr-", dir="/tmp")
+    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
     ckpt = tmp_path / "ckpt"
     cmd = [sys.executable, str(FSDP_EXAMPLE), "--steps", "4", "--checkpoint-every", "2", "--checkpoint-dir",
            str(ckpt), "--out-dir", str(tmp_path / "out")]
-    try:
-        runs = []
-        for extra in ([], ["--resume"]):
-            if extra:
-                shutil.rmtree(ckpt / "step-000004")
-            proc = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=900,
-                                  env=_driver_env(ray_tmp), cwd=EXAMPLE.parent.parent)
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-            runs.append(_result(proc.stdout))
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    runs = []
+    for extra in ([], ["--resume"]):
+        if extra:
+            shutil.rmtree(ckpt / "step-000004")
+        proc = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=900, env=env,
+                              cwd=EXAMPLE.parent.parent)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs.append(_result(proc.stdout))
     full, resumed = runs
     assert (full["resumed_from"], full["checkpoints"]) == (None, [2, 4])
     assert (resumed["resumed_from"], resumed["checkpoints"], resumed["steps"]) == (2, [4], 4)
