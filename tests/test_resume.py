@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +51,50 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+class _TreeWatch:
+    """When the processes of a killed driver's tree went, seconds after the kill: ``core_s`` (all
+    but the driver and Ray's agents: the GCS, raylet, workers) and ``all_s`` (every one). A thread
+    of the test reads /proc every 0.2 s while the test goes on, until all are gone or :meth:`stop`."""
+
+    def __init__(self, tree: dict[int, str], driver_pid: int):
+        self.tree, self.killed_at = tree, time.monotonic()
+        self.core = {p for p, c in tree.items() if p != driver_pid and "Agent" not in c}
+        self.core_s: float | None = None
+        self.all_s: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="tree-watch", daemon=True)
+        self._thread.start()
+
+    def _record(self) -> None:
+        now = time.monotonic() - self.killed_at
+        if self.core_s is None and not any(_alive(p) for p in self.core):
+            self.core_s = now
+        if self.all_s is None and not any(_alive(p) for p in self.tree):
+            self.all_s = now
+
+    def _watch(self) -> None:
+        while True:
+            self._record()
+            if self.all_s is not None or self._stop.wait(0.2):
+                return
+
+    def wait(self, pids: set[int], deadline_s: float) -> None:
+        """Until ``pids`` are gone, at most ``deadline_s`` after the kill; fails naming survivors."""
+        while time.monotonic() < self.killed_at + deadline_s and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+        survivors = {p: self.tree[p].strip() for p in pids if _alive(p)}
+        assert not survivors, f"processes of the killed run still alive {deadline_s:.0f}s after the kill: {survivors}"
+        self._record()  # in case the thread has not looked since they went
+
+    def stop(self) -> None:
+        """End the watch; SIGKILL what is left of the tree (ours: clean up before failing)."""
+        self._stop.set()
+        self._thread.join()
+        for p in self.tree:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
 
 
 def _driver_env(ray_tmp: str) -> dict:
@@ -84,6 +129,7 @@ def test_driver_sigkill_then_resume_matches_an_uninterrupted_run(ray_session, tm
     ray_tmp = tempfile.mkdtemp(prefix="twr-", dir="/tmp")  # short: Ray's unix sockets live under it
     cmd = [sys.executable, str(EXAMPLE), "--quick", "--steps", str(steps), "--seed", "0",
            "--checkpoint-dir", str(ckpt_dir), "--checkpoint-every", str(every), "--plot", str(tmp_path / "r.png")]
+    watch = None
     try:
         # 1. the driver, SIGKILLed once it has passed step `kill_after` (its first checkpoint is step 3)
         driver = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -99,30 +145,20 @@ def test_driver_sigkill_then_resume_matches_an_uninterrupted_run(ray_session, tm
         tree = descendants(driver.pid)
         assert any("gcs_server" in c for c in tree.values()), tree  # the run's own Ray is under it
         driver.send_signal(signal.SIGKILL)
-        killed_at = time.monotonic()
+        watch = _TreeWatch(tree, driver.pid)
         driver.wait(timeout=30)
         rest = driver.stdout.read()
         driver.stdout.close()
         reached = max([reached, *(int(m.group(1)) for m in STEP_LINE.finditer(rest))])  # printed before it died
 
         # 2. nothing of the run survives: its whole process tree goes (Ray's processes fate-share with
-        # their driver). The GCS, raylet and workers go at once; the dashboard and runtime-env agents
-        # notice the raylet's death at once too, but first try to flush their logs to the dead GCS
-        # (Ray retries a lost GCS for up to 60 s), hence the long deadline.
-        core = {p for p, c in tree.items() if p != driver.pid and "Agent" not in c}
-        core_s = all_s = None
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            if core_s is None and not any(_alive(p) for p in core):
-                core_s = time.monotonic() - killed_at
-            if not any(_alive(p) for p in tree):
-                all_s = time.monotonic() - killed_at
-                break
-            time.sleep(0.2)
-        survivors = {p: c.strip() for p, c in tree.items() if _alive(p)}
-        for p in survivors:  # ours: clean up before failing
-            os.kill(p, signal.SIGKILL)
-        assert not survivors, f"processes of the killed run still alive after 240s: {survivors}"
+        # their driver). The GCS, raylet and workers go at once: checked before resuming. The
+        # dashboard and runtime-env agents notice the raylet's death at once too, but first publish
+        # its error to the dead GCS with a fixed 60 s deadline (ray._private.utils.
+        # publish_error_to_driver; RAY_gcs_rpc_server_reconnect_timeout_s does not cut it short in
+        # Ray 2.60), so they are watched while the resumed and the reference runs go on, and
+        # checked at the end (within 240 s of the kill).
+        watch.wait(watch.core, deadline_s=240)
 
         # 3. a torn newer checkpoint is skipped: --resume takes the newest complete one
         latest = CheckpointDir(str(ckpt_dir)).latest()
@@ -155,23 +191,29 @@ def test_driver_sigkill_then_resume_matches_an_uninterrupted_run(ray_session, tm
         with capsys.disabled():
             print(f"\ndriver kill: killed after step {reached}, resumed from checkpoint {latest.step}: "
                   f"{reached - latest.step} step(s) redone; the dead run's GCS, raylet and workers gone in "
-                  f"{core_s:.1f}s, all its {len(tree)} processes in {all_s:.1f}s; restart -> back at step "
-                  f"{reached}: {back_s:.1f}s; checkpoint saves: "
+                  f"{watch.core_s:.1f}s; restart -> back at step {reached}: {back_s:.1f}s; checkpoint saves: "
                   + ", ".join(re.findall(r"^checkpoint: step \d+ saved in \S+ \(([0-9.]+s)\)", out, re.M)))
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
 
-    # 4. the same seed, uninterrupted (on the session's Ray): the same reward curve, exactly
-    example = _load_example(EXAMPLE, "rlhf_grpo_resume_example")
-    twinkle_ray.shutdown()
-    try:
-        twinkle_ray.initialize("ray", groups=example.groups(), seed=0)
-        plain = example.run(steps, lr=0.01, seed=0, log=lambda *_: None)
-    finally:
+        # 4. the same seed, uninterrupted (on the session's Ray): the same reward curve, exactly
+        example = _load_example(EXAMPLE, "rlhf_grpo_resume_example")
         twinkle_ray.shutdown()
-    actors, pgs = leftovers()
-    assert not actors and not pgs, (actors, pgs)
-    assert result["rewards"] == plain["rewards"], (result["rewards"], plain["rewards"])
+        try:
+            twinkle_ray.initialize("ray", groups=example.groups(), seed=0)
+            plain = example.run(steps, lr=0.01, seed=0, log=lambda *_: None)
+        finally:
+            twinkle_ray.shutdown()
+        actors, pgs = leftovers()
+        assert not actors and not pgs, (actors, pgs)
+        assert result["rewards"] == plain["rewards"], (result["rewards"], plain["rewards"])
+
+        # 2, the end: the agents too, every process of the killed run
+        watch.wait(set(tree), deadline_s=240)
+        with capsys.disabled():
+            print(f"driver kill: all {len(tree)} processes of the killed run gone in {watch.all_s:.1f}s")
+    finally:
+        if watch is not None:
+            watch.stop()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 FSDP_EXAMPLE = EXAMPLE.parent / "rlhf_fsdp_hf.py"
@@ -179,26 +221,25 @@ FSDP_EXAMPLE = EXAMPLE.parent / "rlhf_fsdp_hf.py"
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_fsdp_example_resumes_exactly(tmp_path):
+def test_fsdp_example_resumes_exactly(ray_session, tmp_path):
     """rlhf_fsdp_hf.py: a run of 4 steps (checkpoints 2 and 4); with checkpoint 4 gone, --resume redoes
     steps 3-4 from checkpoint 2 (FSDP2 shards, optimizer, RNGs) and ends with the same rewards and
-    the same final weights (the greedy score of the HF checkpoint)."""
+    the same final weights (the greedy score of the HF checkpoint). Both drivers attach to the
+    session's Ray (RAY_ADDRESS, as under ``ray job submit``): a resume is a new driver, and what it
+    restores is all in the checkpoint, none of it in the Ray that ran the first one."""
     pytest.importorskip("transformers")
-    ray_tmp = tempfile.mkdtemp(prefix="twr-", dir="/tmp")
+    env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
     ckpt = tmp_path / "ckpt"
     cmd = [sys.executable, str(FSDP_EXAMPLE), "--steps", "4", "--checkpoint-every", "2", "--checkpoint-dir",
            str(ckpt), "--out-dir", str(tmp_path / "out")]
-    try:
-        runs = []
-        for extra in ([], ["--resume"]):
-            if extra:
-                shutil.rmtree(ckpt / "step-000004")
-            proc = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=900,
-                                  env=_driver_env(ray_tmp), cwd=EXAMPLE.parent.parent)
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-            runs.append(_result(proc.stdout))
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    runs = []
+    for extra in ([], ["--resume"]):
+        if extra:
+            shutil.rmtree(ckpt / "step-000004")
+        proc = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=900, env=env,
+                              cwd=EXAMPLE.parent.parent)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs.append(_result(proc.stdout))
     full, resumed = runs
     assert (full["resumed_from"], full["checkpoints"]) == (None, [2, 4])
     assert (resumed["resumed_from"], resumed["checkpoints"], resumed["steps"]) == (2, [4], 4)
