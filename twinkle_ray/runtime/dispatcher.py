@@ -215,10 +215,12 @@ class Dispatcher:
             raise RuntimeError(f"gang {self.spec.label} is not running (stopped)")
         return self.state.workers
 
-    def proxy(self):
+    async def proxy(self):
         """A GangProxy for this gang, for callers that found it by name (GangProxy.lookup): the
-        same ``execute`` and ``lazy_collect`` as the proxy ``create_gang`` returned."""
-        return self.spec.proxy(None, self.describe(), gang=self._own_gang())
+        same ``execute`` and ``lazy_collect`` as the proxy ``create_gang`` returned. The class
+        comes from the workers' payload (only here does the dispatcher unpickle it)."""
+        cls, _, _ = await self.spec.payload
+        return self.spec.proxy(None, self.describe(), gang=self._own_gang(), cls=cls)
 
     def describe(self) -> dict:
         """The gang's topology: one row per rank."""

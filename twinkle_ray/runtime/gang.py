@@ -101,7 +101,7 @@ def create_gang(
 
 def _start(spec: GangSpec, timeout_s: float | None) -> GangProxy:
     """Create the gang's dispatcher and start the gang; on failure nothing of it is left."""
-    cls, label = spec.cls, spec.label
+    label = spec.label
     dispatcher = new_dispatcher(spec)
     try:
         desc = wait_with_progress(
@@ -114,12 +114,10 @@ def _start(spec: GangSpec, timeout_s: float | None) -> GangProxy:
         cause = getattr(e, "cause", None)
         if isinstance(cause, Exception):
             raise cause from None
-        if isinstance(e, ray.exceptions.RayActorError):
+        if isinstance(e, ray.exceptions.RayActorError):  # (a class that will not unpickle fails
+            # in the workers' start, named there: only they unpickle it)
             raise RuntimeError(
-                f"gang {label}: its dispatcher could not be created, most often because "
-                f"{cls.__module__}.{cls.__qualname__} or its arguments cannot be unpickled in a Ray "
-                f"worker (a module workers cannot import? ship it with runtime_env "
-                f"working_dir/py_modules). Ray said: {str(e).splitlines()[0]}"
+                f"gang {label}: its dispatcher could not be created. Ray said: {str(e).splitlines()[0]}"
             ) from None
         raise
 

@@ -6,17 +6,25 @@ its :class:`~twinkle_ray.runtime.proxy.GangProxy` are built: by
 callers that find it by name (``GangProxy.lookup``), so both behave the same
 (``execute`` and ``lazy_collect`` travel in the spec).
 
+The user's class and its constructor arguments travel to the workers as one
+object-store ref (``payload``, put where the spec is made) that only the workers
+resolve: a pickled spec carries the ref, not the class, so the dispatcher never
+unpickles them (nor imports what they import: torch, the user's module).
+
 Example::
 
     spec = GangSpec(group=g, cls=Model, label="trainer/Model", args=(), kwargs={},
                     slots=slots, owns=owns, pg=pg, execute="all", lazy_collect=True)
     proxy = spec.proxy(dispatcher_handle, desc)
+    worker.start.remote(port, True, timeout_s, seed, (spec.payload,))  # fetched there
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import ray
 
 from ..core import defaults
 from ..core.group import DeviceGroup
@@ -63,10 +71,19 @@ class GangSpec:
     metrics: bool = field(default_factory=metrics_enabled)
     execute: str = "all"  # the remote_class's execute ('first': a one-worker gang)
     lazy_collect: bool = True  # the session's default: calls return LazyResults
+    cls_name: str = ""  # the class's __name__ (set from ``cls``)
+    # ObjectRef of (cls, args, kwargs), put when the spec is made: what the workers build from
+    payload: Any = None
 
-    @property
-    def cls_name(self) -> str:
-        return self.cls.__name__
+    def __post_init__(self) -> None:
+        if self.cls is not None:
+            self.cls_name = self.cls_name or self.cls.__name__
+            if self.payload is None:
+                self.payload = ray.put((self.cls, self.args, self.kwargs))
+
+    def __getstate__(self) -> dict:
+        """A pickled spec (the dispatcher's) has the payload ref, not the class and arguments."""
+        return {**self.__dict__, "cls": None, "args": (), "kwargs": {}}
 
     def gang_ref(self, dispatcher: Any, dispatcher_node: tuple[str, str] | None = None) -> GangRef:
         """This gang's GangRef, with its dispatcher's handle (and node, to name it if it dies)."""
@@ -74,7 +91,9 @@ class GangSpec:
                        self.group.gpus_per_worker, len(self.slots), dispatcher_node,
                        label=self.label, namespace=self.namespace)
 
-    def proxy(self, dispatcher: Any, desc: dict, gang: GangRef | None = None) -> GangProxy:
-        """A GangProxy for this gang (``gang``: an already built GangRef of it)."""
+    def proxy(self, dispatcher: Any, desc: dict, gang: GangRef | None = None,
+              cls: type | None = None) -> GangProxy:
+        """A GangProxy for this gang (``gang``: an already built GangRef of it; ``cls``: the
+        class, where this spec was unpickled without it)."""
         gang = gang or self.gang_ref(dispatcher, desc.get("dispatcher_node"))
-        return GangProxy(self.cls, gang, self.execute, self.lazy_collect, desc)
+        return GangProxy(cls or self.cls, gang, self.execute, self.lazy_collect, desc)

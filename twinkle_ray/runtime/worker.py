@@ -12,7 +12,7 @@ Example (what the dispatcher does)::
     w = make_worker(info, pg, slot.bundle_index, resource_name="GPU", amount=1, cpus=1,
                     namespace=ns)
     _, port = ray.get(workers[0].endpoint.remote())       # rank 0's node IP and a free port
-    ray.get(w.start.remote(port, True, dist_timeout_s, seed, cls, args, kwargs))
+    ray.get(w.start.remote(port, True, dist_timeout_s, seed, (ray.put((cls, args, kwargs)),)))
     out, meta = w.run.options(num_returns=2).remote("forward", batch)
 """
 
@@ -112,14 +112,15 @@ class GangWorker:
         distributed: bool,
         dist_timeout_s: float,
         seed: int | None,
-        cls: type,
-        args: tuple,
-        kwargs: dict,
+        payload: tuple[Any],
     ) -> tuple[str | None, int]:
-        """Join torch.distributed (all ranks call this concurrently), then build the instance.
+        """Join torch.distributed (all ranks call this concurrently), then build the instance
+        from ``payload``: (the ref of (the class, its args, its kwargs),), fetched here.
 
         Returns (the torch.distributed backend used or None, this process's pid).
         """
+        self.phase = "fetching the class and its arguments"
+        cls, args, kwargs = self._unpickle(payload[0])
         os.environ["MASTER_PORT"] = str(master_port)
         backend = None
         if distributed:
@@ -135,6 +136,18 @@ class GangWorker:
         self.instance = cls(*args, **kwargs)
         self.phase = None
         return backend, os.getpid()
+
+    def _unpickle(self, ref: Any) -> tuple[type, tuple, dict]:
+        """(cls, args, kwargs) from the spec's payload ref; a failure names the class and the fix."""
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RaySystemError as e:  # Ray's wrapper of an unpickling error
+            why = e.client_exc if isinstance(e.client_exc, BaseException) else None
+            raise TypeError(
+                f"{self.info.cls_name} or its constructor arguments cannot be unpickled in this Ray worker "
+                f"({f'{type(why).__name__}: {why}' if why else str(e).splitlines()[0]}): a module "
+                f"workers cannot import? ship it with runtime_env working_dir/py_modules"
+            ) from None
 
     def _init_distributed(self, timeout_s: float) -> str:
         import torch
