@@ -3,7 +3,9 @@
 Each ``bench_*`` function sets up both sides (a twinkle_ray gang and a
 :class:`bench.raw.RawGang` of the same size and bundles), times them
 alternately with :func:`bench.timing.compare`, tears both down and returns a
-result dict (seconds, ratio, and the figures the table shows).
+result dict (seconds, ratio, and the figures the table shows). The quick run
+(``Config.shared_gangs``) instead runs B1-B4, B6, B7 and B10 with
+:func:`bench_shared` on one :class:`GangPool`: one gang and raw twin per size.
 
 Example::
 
@@ -46,17 +48,24 @@ class Config:
     b4_repeats: int = 25
     b5_repeats: int = 7  # B5: gang start-ups per side
     b5_warmup: int = 1
+    b5_workers: int = 4
     b6_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     b10_sizes: tuple[int, ...] = (4, 16, 32)  # B10: driver CPU per lazy call
     b10_calls: int = 400
+    b9_steps: int = 8  # B9: steps per mode
+    b9_seconds: float = 1.0  # B9: G = T, the sleep of a generate and of a train call
     warmup: int = 3
+    # One gang (and raw twin) per size for B1-B4, B6, B7 and B10 (GangPool), not one per benchmark:
+    # a gang start-up is most of a quick benchmark's time on 2 cores.
+    shared_gangs: bool = False
 
     @classmethod
     def quick(cls) -> Config:
-        """Scaled down to finish in about two minutes on 2 cores."""
-        return cls(repeats=12, chain=200, chain_repeats=2, b3_mb=16, b3_repeats=5, b4_mb=32,
-                   b4_repeats=3, b5_repeats=1, b5_warmup=0, b6_sizes=(1, 2, 4, 8), b10_sizes=(4, 8),
-                   b10_calls=100, warmup=2)
+        """Scaled down to finish in about a minute and a half on 2 cores."""
+        return cls(repeats=12, chain=50, chain_repeats=2, b3_mb=16, b3_repeats=5, b4_mb=32,
+                   b4_repeats=3, b5_repeats=1, b5_warmup=0, b5_workers=2, b6_sizes=(1, 2, 4, 8),
+                   b10_sizes=(4, 8), b10_calls=40, b9_steps=2, b9_seconds=0.5, warmup=2,
+                   shared_gangs=True)
 
 
 # ---------------------------------------------------------------------------- the gang's class
@@ -143,67 +152,71 @@ def _dispatcher_pid(proxy) -> int | None:
 # ---------------------------------------------------------------------------- B1, B2, B3
 def bench_gang4(cfg: Config, only: frozenset = frozenset({"B1", "B2", "B3"})) -> list[dict]:
     """B1 (eager and lazy no-op), B2 (chained lazy calls), B3 (a numpy batch, slice_dp) on 4 workers."""
-    n = 4
-    gang = _gang(n, "b1")
-    raw = RawGang(n)
+    gang = _gang(4, "b1")
+    raw = RawGang(4)
     raw.start()
-    rows = []
     try:
-        actors = raw.actors
-        if "B1" in only:
-            rows += _b1(cfg, gang, actors)
-            rows += _b1_metrics(cfg, gang, n)
-
-        start = [[i] for i in range(n)]
-
-        def chain_twinkle():
-            x = gang.step([i for xs in start for i in xs])
-            for _ in range(cfg.chain - 1):
-                x = gang.step(x)
-            assert x.get() == list(range(n))
-
-        def chain_raw():
-            refs = [a.step.remote(xs) for a, xs in zip(actors, start, strict=True)]
-            for _ in range(cfg.chain - 1):
-                refs = [a.step.remote(ref) for a, ref in zip(actors, refs, strict=True)]
-            assert [i for xs in ray.get(refs) for i in xs] == list(range(n))
-
-        if "B2" in only:
-            r = compare(chain_twinkle, chain_raw, repeats=cfg.chain_repeats, warmup=1)
-            r["twinkle_calls_per_s"] = cfg.chain / r["twinkle_s"]
-            r["raw_calls_per_s"] = cfg.chain / r["raw_s"]
-            r["throughput_ratio"] = r["twinkle_calls_per_s"] / r["raw_calls_per_s"]
-            rows.append(_row(f"B2 {cfg.chain} chained lazy calls, 4 workers", r, unit="s",
-                             target="throughput >= 1.0x raw",
-                             checks=[("throughput_ratio", ">=", 1.0)]))
-            workers = whatif.gang_workers(gang, NAMESPACE)
-
-            def chain_direct():
-                assert whatif.direct_chain(workers, start, cfg.chain) == list(range(n))
-
-            r = compare(chain_direct, chain_raw, repeats=cfg.chain_repeats, warmup=1)
-            r["throughput_ratio"] = r["raw_s"] / r["twinkle_s"]
-            rows.append(_row("B2 what-if: the gang's workers called from the driver", r, unit="s",
-                             whatif=True))
-
-        batch = np.ones((cfg.b3_mb * 1024 * 1024 // (256 * 4), 256), dtype=np.float32)
-        bounds = [(i * len(batch) // n, (i + 1) * len(batch) // n) for i in range(n)]
-        expected = [hi - lo for lo, hi in bounds]
-
-        def b3_twinkle():
-            assert gang.consume(batch).get() == expected
-
-        def b3_raw():
-            refs = [ray.put(batch[lo:hi]) for lo, hi in bounds]
-            assert ray.get([a.consume.remote(ref) for a, ref in zip(actors, refs, strict=True)]) == expected
-
-        if "B3" in only:
-            r = compare(b3_twinkle, b3_raw, repeats=cfg.b3_repeats, warmup=cfg.warmup)
-            rows.append(_row(f"B3 {cfg.b3_mb} MB numpy batch, slice_dp to 4 workers", r, unit="ms",
-                             target="<= 1.1x raw", checks=[("ratio", "<=", 1.1)]))
+        return _gang4_rows(cfg, only, gang, "b1", raw.actors)
     finally:
         raw.close()
         twinkle.shutdown()
+
+
+def _gang4_rows(cfg: Config, only: frozenset, gang, group: str, actors: list) -> list[dict]:
+    """B1-B3 (those in ``only``) on a 4-worker gang of DeviceGroup ``group`` and 4 raw actors."""
+    n = 4
+    rows = []
+    if "B1" in only:
+        rows += _b1(cfg, gang, actors)
+        rows += _b1_metrics(cfg, gang, n, group)
+
+    start = [[i] for i in range(n)]
+
+    def chain_twinkle():
+        x = gang.step([i for xs in start for i in xs])
+        for _ in range(cfg.chain - 1):
+            x = gang.step(x)
+        assert x.get() == list(range(n))
+
+    def chain_raw():
+        refs = [a.step.remote(xs) for a, xs in zip(actors, start, strict=True)]
+        for _ in range(cfg.chain - 1):
+            refs = [a.step.remote(ref) for a, ref in zip(actors, refs, strict=True)]
+        assert [i for xs in ray.get(refs) for i in xs] == list(range(n))
+
+    if "B2" in only:
+        r = compare(chain_twinkle, chain_raw, repeats=cfg.chain_repeats, warmup=1)
+        r["twinkle_calls_per_s"] = cfg.chain / r["twinkle_s"]
+        r["raw_calls_per_s"] = cfg.chain / r["raw_s"]
+        r["throughput_ratio"] = r["twinkle_calls_per_s"] / r["raw_calls_per_s"]
+        rows.append(_row(f"B2 {cfg.chain} chained lazy calls, 4 workers", r, unit="s",
+                         target="throughput >= 1.0x raw",
+                         checks=[("throughput_ratio", ">=", 1.0)]))
+        workers = whatif.gang_workers(gang, NAMESPACE)
+
+        def chain_direct():
+            assert whatif.direct_chain(workers, start, cfg.chain) == list(range(n))
+
+        r = compare(chain_direct, chain_raw, repeats=cfg.chain_repeats, warmup=1)
+        r["throughput_ratio"] = r["raw_s"] / r["twinkle_s"]
+        rows.append(_row("B2 what-if: the gang's workers called from the driver", r, unit="s",
+                         whatif=True))
+
+    batch = np.ones((cfg.b3_mb * 1024 * 1024 // (256 * 4), 256), dtype=np.float32)
+    bounds = [(i * len(batch) // n, (i + 1) * len(batch) // n) for i in range(n)]
+    expected = [hi - lo for lo, hi in bounds]
+
+    def b3_twinkle():
+        assert gang.consume(batch).get() == expected
+
+    def b3_raw():
+        refs = [ray.put(batch[lo:hi]) for lo, hi in bounds]
+        assert ray.get([a.consume.remote(ref) for a, ref in zip(actors, refs, strict=True)]) == expected
+
+    if "B3" in only:
+        r = compare(b3_twinkle, b3_raw, repeats=cfg.b3_repeats, warmup=cfg.warmup)
+        rows.append(_row(f"B3 {cfg.b3_mb} MB numpy batch, slice_dp to 4 workers", r, unit="ms",
+                         target="<= 1.1x raw", checks=[("ratio", "<=", 1.1)]))
     return rows
 
 
@@ -259,9 +272,9 @@ def _b1(cfg: Config, gang, actors: list) -> list[dict]:
     return rows
 
 
-def _b1_metrics(cfg: Config, gang, n: int) -> list[dict]:
-    """B1 with metrics on (the B1 gang) vs off (a second gang on the same workers' bundles,
-    made with ``TWINKLE_METRICS=0``: no metrics, no task names), in one rotation.
+def _b1_metrics(cfg: Config, gang, n: int, group: str) -> list[dict]:
+    """B1 with metrics on (the B1 gang) vs off (a second gang on the same workers' bundles of
+    DeviceGroup ``group``, made with ``TWINKLE_METRICS=0``: no metrics, no task names), in one rotation.
 
     ``ratio`` = on / off: what the gang metrics and named worker tasks cost a no-op call.
     """
@@ -269,7 +282,7 @@ def _b1_metrics(cfg: Config, gang, n: int) -> list[dict]:
     before = os.environ.get("TWINKLE_METRICS")
     os.environ["TWINKLE_METRICS"] = "0"  # read where a gang is created
     try:
-        off = BenchWorker(device_mesh=DeviceMesh.from_sizes(dp_size=n), remote_group="b1")
+        off = BenchWorker(device_mesh=DeviceMesh.from_sizes(dp_size=n), remote_group=group)
     finally:
         if before is None:
             del os.environ["TWINKLE_METRICS"]
@@ -301,15 +314,25 @@ def _b1_metrics(cfg: Config, gang, n: int) -> list[dict]:
 # ---------------------------------------------------------------------------- B4
 def bench_routing(cfg: Config) -> dict:
     """B4: a dp=4 group's output -> a dp=2 group via LazyResult; counts payload bytes per process."""
-    trace_dir = tempfile.mkdtemp(prefix="twinkle-bench-trace-")
-    cols = 256
-    rows_per_producer = cfg.b4_mb * 1024 * 1024 // 4 // (cols * 4)
     _init(DeviceGroup("b4_producer", 4, "cpu"), DeviceGroup("b4_consumer", 2, "cpu"))
     producer = BenchWorker(device_mesh=DeviceMesh.from_sizes(dp_size=4), remote_group="b4_producer")
     consumer = BenchWorker(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="b4_consumer")
     raw_p, raw_c = RawGang(4), RawGang(2)
     raw_p.start()
     raw_c.start()
+    try:
+        return _b4_row(cfg, producer, consumer, raw_p.actors, raw_c.actors)
+    finally:
+        raw_p.close()
+        raw_c.close()
+        twinkle.shutdown()
+
+
+def _b4_row(cfg: Config, producer, consumer, raw_p: list, raw_c: list) -> dict:
+    """B4 on a dp=4 producer gang, a dp=2 consumer gang and their raw twins (4 and 2 actors)."""
+    trace_dir = tempfile.mkdtemp(prefix="twinkle-bench-trace-")
+    cols = 256
+    rows_per_producer = cfg.b4_mb * 1024 * 1024 // 4 // (cols * 4)
     half = 2 * rows_per_producer
     expected = [float(2 + half)] * 2
     try:
@@ -318,9 +341,8 @@ def bench_routing(cfg: Config) -> dict:
             assert consumer.join(out).get() == expected
 
         def b4_raw():
-            refs = [a.produce.remote(rows_per_producer, cols, trace_dir) for a in raw_p.actors]
-            got = ray.get([raw_c.actors[0].join.remote(refs[0], refs[1]),
-                           raw_c.actors[1].join.remote(refs[2], refs[3])])
+            refs = [a.produce.remote(rows_per_producer, cols, trace_dir) for a in raw_p]
+            got = ray.get([raw_c[0].join.remote(refs[0], refs[1]), raw_c[1].join.remote(refs[2], refs[3])])
             assert got == expected
 
         payload.clear(trace_dir)
@@ -331,7 +353,7 @@ def bench_routing(cfg: Config) -> dict:
             payload.clear(trace_dir)
         driver = os.getpid()
         # Self-check of the tracer: a deliberate fetch in the driver must be seen.
-        ray.get(raw_p.actors[0].produce.remote(rows_per_producer, cols, trace_dir))
+        ray.get(raw_p[0].produce.remote(rows_per_producer, cols, trace_dir))
         self_check = payload.bytes_by_pid(trace_dir).get(driver, 0)
         payload.clear(trace_dir)
         dispatchers = {_dispatcher_pid(producer), _dispatcher_pid(consumer)} - {None}
@@ -348,9 +370,6 @@ def bench_routing(cfg: Config) -> dict:
         }
         r = compare(b4_twinkle, b4_raw, repeats=cfg.b4_repeats, warmup=1)
     finally:
-        raw_p.close()
-        raw_c.close()
-        twinkle.shutdown()
         payload.clear(trace_dir)
         os.rmdir(trace_dir)
     return _row(f"B4 dp=4 -> dp=2 via LazyResult, {cfg.b4_mb} MB", r, unit="ms",
@@ -361,8 +380,9 @@ def bench_routing(cfg: Config) -> dict:
 
 # ---------------------------------------------------------------------------- B5
 def bench_startup(cfg: Config) -> dict:
-    """B5: a 4-worker gang with torch.distributed (gloo) up, from constructor call to ready."""
-    n = 4
+    """B5: a gang of ``cfg.b5_workers`` (4; quick: 2) with torch.distributed (gloo) up, from
+    constructor call to ready."""
+    n = cfg.b5_workers
     holder: dict = {}
     group = DeviceGroup("b5", n, "cpu")
 
@@ -388,7 +408,7 @@ def bench_startup(cfg: Config) -> dict:
 
     r = compare(tw_start, raw_start, repeats=cfg.b5_repeats, warmup=cfg.b5_warmup,
                 before=(tw_before, raw_before), after=(tw_after, raw_after))
-    return _row("B5 gang start-up, 4 workers, torch.distributed gloo", r, unit="s", target="<= 1.2x raw",
+    return _row(f"B5 gang start-up, {n} workers, torch.distributed gloo", r, unit="s", target="<= 1.2x raw",
                 checks=[("ratio", "<=", 1.2)])
 
 
@@ -415,15 +435,17 @@ def bench_scaling(cfg: Config) -> list[dict]:
         raw = RawGang(n)
         raw.start()
         try:
-            actors = raw.actors
-            r = compare(lambda g=gang: g.noop().get(),
-                        lambda a=actors: ray.get([w.noop.remote() for w in a]),
-                        repeats=cfg.repeats, warmup=cfg.warmup)
+            rows.append(_b6_row(cfg, n, gang, raw.actors))
         finally:
             raw.close()
             twinkle.shutdown()
-        rows.append(_row(f"B6 no-op call + collect, {n} worker(s)", r, unit="ms", workers=n))
     return [*rows, scaling_slope(rows)]
+
+
+def _b6_row(cfg: Config, n: int, gang, actors: list) -> dict:
+    r = compare(lambda: gang.noop().get(), lambda: ray.get([w.noop.remote() for w in actors]),
+                repeats=cfg.repeats, warmup=cfg.warmup)
+    return _row(f"B6 no-op call + collect, {n} worker(s)", r, unit="ms", workers=n)
 
 
 # ---------------------------------------------------------------------------- B10
@@ -446,17 +468,27 @@ def bench_driver_cpu(cfg: Config) -> list[dict]:
         raw = RawGang(n)
         raw.start()
         try:
-            actors = raw.actors
-            driver_cpu_per_call(gang.noop, cfg.warmup * 10, _drain)  # warm-up
-            driver_cpu_per_call(lambda a=actors: [w.noop.remote() for w in a], cfg.warmup * 10, _drain)
-            tw = statistics.median(driver_cpu_per_call(gang.noop, cfg.b10_calls, _drain) for _ in range(3))
-            rw = statistics.median(driver_cpu_per_call(lambda a=actors: [w.noop.remote() for w in a],
-                                                       cfg.b10_calls, _drain) for _ in range(3))
+            rows.append(_b10_row(cfg, n, gang, raw.actors))
         finally:
             raw.close()
             twinkle.shutdown()
-        rows.append(_row(f"B10 driver CPU per lazy call, {n} workers", {
-            "twinkle_s": tw, "raw_s": rw, "ratio": tw / rw}, unit="us", gang_size=n))
+    return _b10_flat(rows)
+
+
+def _b10_row(cfg: Config, n: int, gang, actors: list) -> dict:
+    def fan_out():
+        return [w.noop.remote() for w in actors]
+
+    driver_cpu_per_call(gang.noop, cfg.warmup * 10, _drain)  # warm-up
+    driver_cpu_per_call(fan_out, cfg.warmup * 10, _drain)
+    tw = statistics.median(driver_cpu_per_call(gang.noop, cfg.b10_calls, _drain) for _ in range(3))
+    rw = statistics.median(driver_cpu_per_call(fan_out, cfg.b10_calls, _drain) for _ in range(3))
+    return _row(f"B10 driver CPU per lazy call, {n} workers", {
+        "twinkle_s": tw, "raw_s": rw, "ratio": tw / rw}, unit="us", gang_size=n)
+
+
+def _b10_flat(rows: list[dict]) -> list[dict]:
+    """B10's rows with each one's figure against the smallest gang's (the flatness check)."""
     base = rows[0]
     for r in rows:  # cheaper than the driver's own fan-out, and flat in the gang's size
         r["vs_smallest"] = r["twinkle_s"] / base["twinkle_s"]
@@ -478,13 +510,16 @@ def bench_first(cfg: Config) -> list[dict]:
     raw = RawGang(1)
     raw.start()
     try:
-        actor = raw.actors[0]
-        r = compare(lambda: gang.noop().get(), lambda: ray.get(actor.noop.remote()),
-                    repeats=cfg.repeats, warmup=cfg.warmup)
+        return [_b7_row(cfg, gang, raw.actors[0])]
     finally:
         raw.close()
         twinkle.shutdown()
-    return [_row("B7 no-op call + collect, 1 worker, execute='first'", r, unit="ms")]
+
+
+def _b7_row(cfg: Config, gang, actor) -> dict:
+    r = compare(lambda: gang.noop().get(), lambda: ray.get(actor.noop.remote()),
+                repeats=cfg.repeats, warmup=cfg.warmup)
+    return _row("B7 no-op call + collect, 1 worker, execute='first'", r, unit="ms")
 
 
 def scaling_slope(rows: list[dict]) -> dict:
@@ -502,4 +537,81 @@ def scaling_slope(rows: list[dict]) -> dict:
             "target": "extra <= 0.1 ms/worker", "checks": [("extra_ms_per_worker", "<=", 0.1)]}
 
 
-__all__ = ["Config", "bench_driver_cpu", "bench_first", "bench_gang4", "bench_routing", "bench_startup", "bench_scaling", "scaling_slope"]
+# ---------------------------------------------------------------------------- the quick run's shared gangs
+class GangPool:
+    """One BenchWorker gang and its raw twin per size, started on first use, kept until :meth:`close`.
+
+    The quick run's B1-B4, B6, B7 (raw side) and B10 take their gangs from one pool
+    (:func:`bench_shared`) instead of each starting (and stopping) its own: a start-up
+    is most of a quick benchmark's time on 2 cores, the timed calls a small part.
+
+    Example::
+
+        pool = GangPool()
+        gang, group, actors = pool.get(4)   # a 4-worker gang of DeviceGroup 'pool_4', 4 raw actors
+        pool.close()                        # raw gangs closed, twinkle.shutdown()
+    """
+
+    def __init__(self):
+        self._pairs: dict[int, tuple] = {}
+        self._raws: list[RawGang] = []
+
+    def get(self, n: int) -> tuple:
+        """``(gang, group name, raw actors)`` of size ``n``."""
+        if n not in self._pairs:
+            group = f"pool_{n}"
+            gang = _gang(n, group)
+            raw = RawGang(n)
+            self._raws.append(raw)
+            raw.start()
+            self._pairs[n] = (gang, group, raw.actors)
+        return self._pairs[n]
+
+    def close(self) -> None:
+        for raw in self._raws:
+            raw.close()
+        self._raws.clear()
+        self._pairs.clear()
+        twinkle.shutdown()
+
+
+def bench_shared(cfg: Config, only: frozenset) -> dict[str, list[dict]]:
+    """B1-B3 (key ``'B1'``), B4, B6, B7 and B10, those in ``only``, on one :class:`GangPool`:
+    the same measurements as their ``bench_*`` functions, on shared gangs. Returns their rows
+    by key. B7's twinkle side is an ``execute='first'`` gang made on the pooled 1-worker
+    group's bundle (and closed after it)."""
+    pool = GangPool()
+    out: dict[str, list[dict]] = {}
+    try:
+        if only & {"B1", "B2", "B3"}:
+            gang, group, actors = pool.get(4)
+            out["B1"] = _gang4_rows(cfg, only, gang, group, actors)
+        if "B4" in only:
+            (producer, _, raw_p), (consumer, _, raw_c) = pool.get(4), pool.get(2)
+            out["B4"] = [_b4_row(cfg, producer, consumer, raw_p, raw_c)]
+        if "B6" in only:
+            rows = []
+            for n in cfg.b6_sizes:
+                gang, _, actors = pool.get(n)
+                rows.append(_b6_row(cfg, n, gang, actors))
+            out["B6"] = [*rows, scaling_slope(rows)]
+        if "B7" in only:
+            _, group, actors = pool.get(1)
+            first = FirstWorker(device_mesh=DeviceMesh.from_sizes(dp_size=1), remote_group=group)
+            try:
+                out["B7"] = [_b7_row(cfg, first, actors[0])]
+            finally:
+                first.close()
+        if "B10" in only:
+            rows = []
+            for n in cfg.b10_sizes:
+                gang, _, actors = pool.get(n)
+                rows.append(_b10_row(cfg, n, gang, actors))
+            out["B10"] = _b10_flat(rows)
+    finally:
+        pool.close()
+    return out
+
+
+__all__ = ["Config", "GangPool", "bench_driver_cpu", "bench_first", "bench_gang4", "bench_routing",
+           "bench_shared", "bench_startup", "bench_scaling", "scaling_slope"]

@@ -1,7 +1,7 @@
 """B9: generation overlapping training, through ``sync_weights(..., wait=False)``.
 
 A sampler gang whose ``generate`` sleeps G and a trainer gang whose ``train``
-sleeps T (two workers each, tiny real torch models, real weight syncs). The
+sleeps T (G = T = ``seconds``: 1 s, 0.5 s in the quick run; two workers each, tiny real torch models, real weight syncs). The
 same steps run two ways in one session:
 
 - sequential: generate k, train k on it, sync (``wait=True``): about G + T + sync;
@@ -15,7 +15,7 @@ samples of their own version, overlapped ones on samples one version old
 
 Example::
 
-    rows = bench_overlap(steps=6)   # [{'name': 'B9 ...', 'twinkle_s': ..., 'raw_s': ideal, 'ratio': ...}, ...]
+    rows = bench_overlap(steps=6, seconds=1.0)   # [{'name': 'B9 ...', 'twinkle_s': ..., 'raw_s': ideal, 'ratio': ...}, ...]
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ import twinkle_ray as twinkle
 from twinkle_ray import DeviceGroup, DeviceMesh, remote_class, remote_function
 from twinkle_ray.weights import WeightSyncMixin, sync_weights
 
-G_S = 1.0  # generate
-T_S = 1.0  # train
 NAMESPACE = "twinkle-bench"
 
 
@@ -72,24 +70,24 @@ class SleepyTrainer(WeightSyncMixin):
         return {"sample_version": min(samples), "trainer_version": before}
 
 
-def _sequential(sampler, trainer, prompts: list, steps: int) -> tuple[float, list[int]]:
+def _sequential(sampler, trainer, prompts: list, steps: int, seconds: float) -> tuple[float, list[int]]:
     stale = []
     t0 = time.perf_counter()
     for _ in range(steps):
-        out = trainer.train(sampler.generate(prompts, G_S), T_S)()
+        out = trainer.train(sampler.generate(prompts, seconds), seconds)()
         sync_weights(trainer, sampler)
         stale.append(out["trainer_version"] - out["sample_version"])
     return (time.perf_counter() - t0) / steps, stale
 
 
-def _overlapped(sampler, trainer, prompts: list, steps: int) -> tuple[float, list[int]]:
+def _overlapped(sampler, trainer, prompts: list, steps: int, seconds: float) -> tuple[float, list[int]]:
     stale = []
-    ahead = sampler.generate(prompts, G_S)  # step 1's samples
+    ahead = sampler.generate(prompts, seconds)  # step 1's samples
     handle = None
     t0 = time.perf_counter()
     for k in range(steps):
-        samples, ahead = ahead, (sampler.generate(prompts, G_S) if k + 1 < steps else None)
-        out = trainer.train(samples, T_S)
+        samples, ahead = ahead, (sampler.generate(prompts, seconds) if k + 1 < steps else None)
+        out = trainer.train(samples, seconds)
         handle = sync_weights(trainer, sampler, wait=False)  # after both, in both gangs' order
         out = out()
         stale.append(out["trainer_version"] - out["sample_version"])
@@ -97,8 +95,8 @@ def _overlapped(sampler, trainer, prompts: list, steps: int) -> tuple[float, lis
     return (time.perf_counter() - t0) / steps, stale
 
 
-def bench_overlap(steps: int = 6) -> list[dict]:
-    """B9 rows: overlapped and sequential seconds per step against their ideals."""
+def bench_overlap(steps: int = 6, seconds: float = 1.0) -> list[dict]:
+    """B9 rows: overlapped and sequential seconds per step against their ideals (G = T = ``seconds``)."""
     twinkle.initialize("ray", groups=[DeviceGroup("b9s", 2, "cpu"), DeviceGroup("b9t", 2, "cpu")],
                        namespace=NAMESPACE)
     mesh = DeviceMesh.from_sizes(dp_size=2, device_type="cpu")
@@ -113,19 +111,19 @@ def bench_overlap(steps: int = 6) -> list[dict]:
             sync_weights(trainer, sampler)
             walls.append(time.perf_counter() - t0)
         sync_s = statistics.median(walls)
-        _overlapped(sampler, trainer, prompts, 2)  # warm-up: every call path used once
-        seq_s, seq_stale = _sequential(sampler, trainer, prompts, steps)
-        ovl_s, ovl_stale = _overlapped(sampler, trainer, prompts, steps)
+        _overlapped(sampler, trainer, prompts, 2, seconds)  # warm-up: every call path used once
+        seq_s, seq_stale = _sequential(sampler, trainer, prompts, steps, seconds)
+        ovl_s, ovl_stale = _overlapped(sampler, trainer, prompts, steps, seconds)
     finally:
         twinkle.shutdown()
-    ideal_ovl, ideal_seq = max(G_S, T_S) + sync_s, G_S + T_S + sync_s
+    ideal_ovl, ideal_seq = seconds + sync_s, 2 * seconds + sync_s  # max(G, T) + sync, G + T + sync
     common = {"unit": "s", "sync_s": sync_s, "steps": steps}
     return [
-        {"name": f"B9 overlapped step (--async 1), G=T={G_S:g}s; vs max(G,T)+sync", "twinkle_s": ovl_s,
+        {"name": f"B9 overlapped step (--async 1), G=T={seconds:g}s; vs max(G,T)+sync", "twinkle_s": ovl_s,
          "raw_s": ideal_ovl, "ratio": ovl_s / ideal_ovl, "staleness": ovl_stale,
          "speedup_vs_sequential": seq_s / ovl_s, "target": "overlapped <= 1.15x ideal",
          "checks": [("ratio", "<=", 1.15)], **common},
-        {"name": f"B9 sequential step, G=T={G_S:g}s; vs G+T+sync", "twinkle_s": seq_s, "raw_s": ideal_seq,
+        {"name": f"B9 sequential step, G=T={seconds:g}s; vs G+T+sync", "twinkle_s": seq_s, "raw_s": ideal_seq,
          "ratio": seq_s / ideal_seq, "staleness": seq_stale, **common},
     ]
 

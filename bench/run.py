@@ -3,7 +3,7 @@
 Usage::
 
     python -m bench             # full sizes (BENCHMARKS.md)
-    python -m bench --quick     # scaled down: about two minutes on 2 cores
+    python -m bench --quick     # scaled down (one gang per size shared): about 1.5 minutes on 2 cores
     python -m bench --json      # JSON on stdout, one line (the table goes to stderr)
     python -m bench --only B1,B4
     python -m bench --only B9   # generation overlapping training (sync_weights(wait=False))
@@ -73,26 +73,7 @@ def run(argv: list[str] | None = None) -> dict:
     if only - {"W1"}:  # W1 builds a cluster of its own
         _start_ray()
         try:
-            if only & {"B1", "B2", "B3"}:
-                results += cases.bench_gang4(cfg, frozenset(only))
-            if "B4" in only:
-                results.append(cases.bench_routing(cfg))
-            if "B5" in only:
-                results.append(cases.bench_startup(cfg))
-            if "B6" in only:
-                results += cases.bench_scaling(cfg)
-            if "B7" in only:
-                results += cases.bench_first(cfg)
-            if "B9" in only:
-                from bench import overlap
-
-                results += overlap.bench_overlap(steps=4 if args.quick else 8)
-            if "B10" in only:
-                results += cases.bench_driver_cpu(cfg)
-            if "B8" in only:  # the long tail: slice_dp vs dispatch='balance' (bench/longtail.py)
-                from bench import longtail
-
-                results += longtail.bench_longtail(cfg)
+            results += _in_one_ray(cfg, frozenset(only))
         finally:
             ray.shutdown()
     if "W1" in only:  # its own 2-raylet cluster: in a process of its own
@@ -110,6 +91,40 @@ def run(argv: list[str] | None = None) -> dict:
         "wall_s": time.perf_counter() - t0,
         "results": results,
     }
+
+
+def _in_one_ray(cfg, only: frozenset) -> list[dict]:
+    """The rows of every selected benchmark but W1, in this order (key B1: B1-B3 together).
+    With ``cfg.shared_gangs`` (quick) :func:`bench.cases.bench_shared` runs B1-B4, B6, B7 and B10
+    first, on one pool of gangs (B5 wants no other actor alive); the rows keep this order."""
+    from bench import cases
+
+    def b9():
+        from bench import overlap
+
+        return overlap.bench_overlap(steps=cfg.b9_steps, seconds=cfg.b9_seconds)
+
+    def b8():  # the long tail: slice_dp vs dispatch='balance' (bench/longtail.py)
+        from bench import longtail
+
+        return longtail.bench_longtail(cfg)
+
+    benches = {
+        "B1": lambda: cases.bench_gang4(cfg, only),
+        "B4": lambda: [cases.bench_routing(cfg)],
+        "B5": lambda: [cases.bench_startup(cfg)],
+        "B6": lambda: cases.bench_scaling(cfg),
+        "B7": lambda: cases.bench_first(cfg),
+        "B9": b9,
+        "B10": lambda: cases.bench_driver_cpu(cfg),
+        "B8": b8,
+    }
+    selected = [k for k in benches if k in only or (k == "B1" and only & {"B2", "B3"})]
+    rows = cases.bench_shared(cfg, only) if cfg.shared_gangs else {}
+    for key in selected:
+        if key not in rows:
+            rows[key] = benches[key]()
+    return [r for key in selected for r in rows[key]]
 
 
 def _w1(quick: bool) -> dict:
