@@ -388,6 +388,10 @@ class LazyResult(Pending):
             if not ray.wait([self._plan_ref], timeout=0)[0]:
                 return False
             try:
+                reply = ray.get(self._plan_ref)  # here already: no wait
+                # a large gang's refs travel as a bundle: not fetched here until it is local
+                if reply.bundle is not None and not ray.wait([reply.bundle], timeout=0)[0]:
+                    return False
                 self.plan()
             except Exception:  # the call failed before it ran: finished
                 return True
