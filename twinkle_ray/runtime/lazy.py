@@ -27,6 +27,7 @@ import ray
 from ray.exceptions import (
     ActorUnavailableError,
     GetTimeoutError,
+    ObjectFetchTimedOutError,
     ObjectLostError,
     RayActorError,
     RaySystemError,
@@ -197,6 +198,8 @@ def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: f
             except (RayActorError, RayTaskError, ObjectLostError) as e:
                 failures.append((rank, e))
     for rank, e in failures:
+        if isinstance(e, ObjectFetchTimedOutError):  # Ray found no copy in time: not a death
+            raise fetch_timed_out(e, gang, method, rank) from None
         # An output whose owner (the dispatcher) or whose node died is lost with it: a death too.
         if isinstance(e, RayActorError | ObjectLostError) or isinstance(getattr(e, "cause", None),
                                                                          RayActorError):
@@ -224,6 +227,17 @@ def _read_quietly(refs: list) -> None:
             ray.get(ref, timeout=0)
         except Exception:  # expected: these hold the same error
             pass
+
+
+def fetch_timed_out(e: ObjectFetchTimedOutError, gang: GangRef, method: str,
+                    rank: int | None) -> ObjectFetchTimedOutError:
+    """Ray's ObjectFetchTimedOutError for an output of ``gang``'s ``method`` (no copy found within
+    Ray's ``fetch_fail_timeout_milliseconds``), with a note naming it. Not a WorkerDiedError: no
+    death is known, and the gang is not torn down for it."""
+    where = f"rank {rank} of " if rank is not None else ""
+    e.add_note(f"while fetching the output of {gang.cls_name}.{method}() on {where}group "
+               f"'{gang.group}': Ray found no copy of it in time (no worker death is known)")
+    return e
 
 
 def user_error(e: RayTaskError, gang: GangRef, method: str, rank: int | None,

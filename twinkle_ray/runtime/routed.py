@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import RayError, RayTaskError
+from ray.exceptions import ObjectFetchTimedOutError, RayError, RayTaskError
 
 from ..core.balance import join_items, locate_positions, take_items, total_items
 from ..core.dispatch import batch_len, collect_sources, concat, span, take
 from ..core.dispatch import collect as collect_results
 from ..core.routing import length_record, locate, plain_length, tuple_arity
-from .lazy import GangRef, LazyResult, user_error
+from .lazy import GangRef, LazyResult, fetch_timed_out, user_error
 
 
 @dataclass
@@ -263,6 +263,8 @@ def pull(refs: list, producer: GangRef | None, method: str, ranks: list) -> list
             ray.get(ref)
         except RayTaskError as e:
             raise user_error(e, producer, method, rank) from None
+        except ObjectFetchTimedOutError as e:  # Ray found no copy in time: not a death
+            raise fetch_timed_out(e, producer, method, rank) from None
         except RayError as e:
             err = producer.death_error(e, rank)
             err.add_note(f"while fetching the output of {producer.cls_name}.{method}() (rank {rank} "
