@@ -39,6 +39,16 @@ class HFTrainer(WeightSyncMixin):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+        self.failing = False
+
+    @remote_function(dispatch="all", collect="first")
+    def fail_next_syncs(self, failing: bool) -> None:
+        self.failing = failing
+
+    def weight_sync_tensors(self) -> dict:
+        if self.failing:
+            raise KeyError("a tensor the trainer could not gather")
+        return super().weight_sync_tensors()
 
     @remote_function(dispatch="all", collect="first")
     def perturb(self, seed: int) -> None:
@@ -127,3 +137,21 @@ def test_vllm_engine_receives_through_its_weight_transfer_api_bit_exact(vllm_gan
         gap = max(abs(a - b) for wr, gr in zip(want_lp, got_lp, strict=True) for a, b in zip(wr, gr, strict=True))
         print(f"\nsync {step}: {stats}; max log-prob gap {gap:.2e}")
         assert gap <= 1e-4, gap
+
+    # A sync whose source fails before sending: it raises, and vLLM keeps the previous weights
+    # whole (its layer-wise reload is ended, not left half-begun), so the engine still generates
+    # exactly as before; the next sync goes through.
+    before, before_lp = sampler.engine_weights()()["params"], sampler.probe_logprobs(probe)()
+    trainer.perturb(seed=20)()
+    trainer.fail_next_syncs(True)()
+    with pytest.raises(Exception, match="a tensor the trainer could not gather"):
+        sync_weights(trainer, sampler)
+    after = sampler.engine_weights()()["params"]
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[n], before[n]) for n in before), "a failed sync changed vLLM's weights"
+    assert sampler.probe_logprobs(probe)() == before_lp
+    trainer.fail_next_syncs(False)()
+    stats = sync_weights(trainer, sampler)
+    assert stats.tensors > 0
+    want_lp, got_lp = trainer.probe_logprobs(probe)(), sampler.probe_logprobs(probe)()
+    assert max(abs(a - b) for wr, gr in zip(want_lp, got_lp, strict=True) for a, b in zip(wr, gr, strict=True)) <= 1e-4

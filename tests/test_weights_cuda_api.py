@@ -177,7 +177,8 @@ def test_lanes_open_vllms_trainer_endpoint_and_engines_receive_through_vllms_api
             assert e.model.loaded.keys() == state.keys()
             assert all(torch.equal(e.model.loaded[n], state[n]) for n in state)
 
-    # A source that failed before sending: its lane's receivers raise its message, the other lane arrives.
+    # A source that failed before sending: the receivers raise its message and keep their previous
+    # weights whole: the other lane is received (its source is in an NCCL broadcast) and dropped.
     for llm in llms.values():
         for e in llm.engines:
             e.model.loaded.clear()
@@ -188,7 +189,13 @@ def test_lanes_open_vllms_trainer_endpoint_and_engines_receive_through_vllms_api
     assert all(isinstance(o, RuntimeError) and "KeyError: 'x'" in str(o) for o in out[2:]), out
     for k in "AB":
         assert [entry[:2] for entry in logs[k][6:]] == [("start",), ("update", 0), ("finish",)]
-        assert all(list(e.model.loaded) == ["layers.0.weight"] for e in llms[k].engines)
+        assert logs[k][7][2]["drop"] is True
+        assert all(e.model.loaded == {} for e in llms[k].engines)
+    # the lanes are still in step: the next sync arrives whole
+    stats = concurrently(*[lambda k=k: sources[k].send([(n, state[n]) for n in LANES[k]]) for k in (0, 1)],
+                         *[lambda k=k: rx[k].recv(llms[k]) for k in "AB"])
+    assert not [s for s in stats if isinstance(s, Exception)], stats
+    assert all(e.model.loaded.keys() == state.keys() for llm in llms.values() for e in llm.engines)
 
     for s in sources:
         s.close()

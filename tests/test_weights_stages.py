@@ -258,7 +258,8 @@ def test_two_lanes_lazy_sources_one_receive_each():
     assert not [s for s in stats if isinstance(s, Exception)], stats
     assert all(list(g) == ["layers.1.bias"] for g in got) and sorted(pulled) == sorted(full)
 
-    # a source that fails before sending: its lane's receivers raise its message, the other lane arrives
+    # a source that fails before sending: the receivers raise its message and load nothing of the
+    # sync (the other lane is received and dropped, so its source does not hang): all or nothing
     got = [{}, {}]
     stats = concurrently(lambda: lane1.send([(n, full[n]) for n in names[1]]),
                           lambda: lane0.fail("weight_sync_tensors() raised KeyError: 'x'"),
@@ -266,6 +267,13 @@ def test_two_lanes_lazy_sources_one_receive_each():
                             for i in range(2)])
     assert stats[0].tensors == len(names[1])
     assert all(isinstance(s, RuntimeError) and "KeyError: 'x'" in str(s) for s in stats[2:]), stats
-    assert all(sorted(g) == sorted(names[1]) for g in got)
+    assert got == [{}, {}]
+    # the channel is still in step: the next sync arrives whole
+    stats = concurrently(lambda: lane0.send([(n, full[n]) for n in names[0]]),
+                          lambda: lane1.send([(n, full[n]) for n in names[1]]),
+                          *[lambda i=i: receive_lanes(ends[i], lambda b, i=i: [got[i].update(x) for x in b])
+                            for i in range(2)])
+    assert not [s for s in stats if isinstance(s, Exception)], stats
+    assert all(g.keys() == full.keys() for g in got)
     for ch in [lane0, lane1, *[c for e in ends for c in e]]:
         ch.close()

@@ -641,8 +641,10 @@ def receive_lanes(channels: Sequence[WeightChannel],
     source sends its own layers), handing ``consume`` one iterator over every lane's buckets, in the
     order they arrive (round robin; each lane's next receive is posted before its bucket is yielded).
 
-    What ``consume`` leaves is drained from every lane, so no source hangs; a lane whose source
-    failed (its error manifest) does not stop the others; the first error is raised at the end.
+    What ``consume`` leaves is drained from every lane, so no source hangs. A sync is taken whole
+    or not at all: when a lane's source failed before sending (its error manifest), ``consume`` is
+    not called and the other lanes are drained unread, so the receiver keeps its previous weights
+    entire (never some layers new and some old); the first error is raised at the end.
     """
     try:
         for ch in channels:
@@ -672,7 +674,8 @@ def receive_lanes(channels: Sequence[WeightChannel],
     totals = {"bytes": 0}
     stream = _merged(lanes, totals)
     try:
-        consume(stream)
+        if error is None:  # else nothing is loaded: drained below
+            consume(stream)
     except BaseException as e:  # re-raised once the sync is drained
         error = error or e
     try:

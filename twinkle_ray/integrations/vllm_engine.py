@@ -121,8 +121,18 @@ class TwinkleWeightTransferEngine(WeightTransferEngine[TwinkleInitInfo, TwinkleU
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Receive one sync (every lane) into the model; CPU needs no device synchronisation."""
-        self.receive_weights(self.parse_update_info(update_info))
+        """Receive one sync (every lane) into the model; CPU needs no device synchronisation.
+
+        A sync that fails ends the layer-wise reload here (vLLM's worker does not call
+        ``finish_weight_update`` after a failed update): every layer not loaded gets its
+        previous tensors back, instead of staying on the meta device. A source that failed
+        before sending loads nothing (see :func:`~twinkle_ray.weight_channel.receive_lanes`),
+        so the engine keeps its previous weights whole and goes on generating."""
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            end_reload_after_failure(self)
+            raise
         if self.device.type != "cpu":
             torch.accelerator.synchronize()
 
@@ -149,6 +159,27 @@ class TwinkleWeightTransferEngine(WeightTransferEngine[TwinkleInitInfo, TwinkleU
             self.end.close(channel)
 
 
+def end_reload_after_failure(engine: WeightTransferEngine) -> None:
+    """End the layer-wise reload ``engine.start_weight_update`` began, after a failed update: the
+    layers that received nothing get their previous tensors back (vLLM's finalisation places them),
+    where they would stay on the meta device. Best effort: the update's own error is what is raised."""
+    try:
+        engine.finish_weight_update()
+    except Exception:
+        logger.warning("weight sync: ending vLLM's layer-wise reload after a failed update failed",
+                       exc_info=True)
+
+
+class _Dropped:
+    """A stand-in model whose ``load_weights`` takes the received tensors and keeps none: what a
+    lane's receive loads into when the sync is dropped (another lane's source failed)."""
+
+    def load_weights(self, weights: Any = None, *args: Any, **kwargs: Any) -> set:
+        for _ in weights or ():
+            pass
+        return set()
+
+
 # ------------------------------------------------------------------------------ CUDA: vLLM's NCCL engine
 @dataclass(kw_only=True)
 class LaneNCCLInitInfo(NCCLWeightTransferInitInfo):
@@ -159,9 +190,11 @@ class LaneNCCLInitInfo(NCCLWeightTransferInitInfo):
 
 @dataclass
 class LaneNCCLUpdateInfo(NCCLWeightTransferUpdateInfo):
-    """vLLM's NCCL update info (names, dtype names, shapes), and the lane it comes from."""
+    """vLLM's NCCL update info (names, dtype names, shapes), the lane it comes from, and whether
+    its tensors are received and dropped (``drop``: another lane's source failed)."""
 
     lane: int = 0
+    drop: bool = False
 
 
 class LaneNCCLWeightTransferEngine(NCCLWeightTransferEngine):
@@ -193,7 +226,22 @@ class LaneNCCLWeightTransferEngine(NCCLWeightTransferEngine):
             raise RuntimeError(f"{type(self).__name__}: lane {update_info.lane} was not initialised "
                                f"(lanes {sorted(self.lanes)})")
         self.model_update_group = group
-        super().receive_weights(update_info)
+        if not update_info.drop:
+            super().receive_weights(update_info)
+            return
+        model, self.model = self.model, _Dropped()  # vLLM's receive loads into self.model
+        try:
+            super().receive_weights(update_info)
+        finally:
+            self.model = model
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """vLLM's update; a failed one ends the layer-wise reload (see :func:`end_reload_after_failure`)."""
+        try:
+            super().update_weights(update_info)
+        except BaseException:
+            end_reload_after_failure(self)
+            raise
 
     def shutdown(self) -> None:
         for group in self.lanes.values():
@@ -241,8 +289,10 @@ class NcclReceivers:
         return rx
 
     def recv(self, llm: Any) -> list[dict]:
-        """Take one sync (every lane) through vLLM's API; figures per receiver. A lane whose source
-        failed before sending does not stop the others; its error is raised at the end."""
+        """Take one sync (every lane) through vLLM's API; figures per receiver. All or nothing: when
+        a lane's source failed before sending, the other lanes are received and dropped (their
+        sources are in NCCL broadcasts and must not hang) and the engine keeps its previous weights
+        whole; the source's error is raised at the end."""
         from .vllm_trainer import lane_store
 
         infos = []
@@ -253,12 +303,12 @@ class NcclReceivers:
         self.syncs += 1
         start = time.perf_counter()
         llm.start_weight_update()
+        failed = [info["error"] for info in infos if "error" in info]
         for k, info in enumerate(infos):
             if "error" not in info:
-                llm.update_weights({"update_info": {**info, "lane": k}})
-        llm.finish_weight_update()
+                llm.update_weights({"update_info": {**info, "lane": k, "drop": bool(failed)}})
+        llm.finish_weight_update()  # nothing loaded (dropped): every layer keeps its tensors
         seconds = time.perf_counter() - start
-        failed = [info["error"] for info in infos if "error" in info]
         if failed:
             raise SourceFailed(f"weight sync: the source failed: {failed[0]}")
         sent = [i for i in infos if "error" not in i]
