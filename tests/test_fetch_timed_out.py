@@ -46,3 +46,45 @@ def test_a_consumers_fetch_raises_it_naming_the_producer(one_ref_times_out):
     with pytest.raises(ObjectFetchTimedOutError) as info:
         pull(one_ref_times_out, GANG, "forward", [4, 5, 6])
     assert any("Model.forward() on rank 5 of group 'trainer'" in n for n in info.value.__notes__)
+
+
+def _failing_get(monkeypatch, errors: dict) -> None:
+    """``ray.get`` raises ``errors[ref]`` for those refs (alone or in a list)."""
+    real_get = ray.get
+
+    def get(obj, *args, **kwargs):
+        for ref in (obj if isinstance(obj, list) else [obj]):
+            if ref in errors:
+                raise errors[ref]
+        return real_get(obj, *args, **kwargs)
+
+    monkeypatch.setattr(ray, "get", get)
+
+
+def test_a_death_on_a_later_rank_outranks_a_timeout(ray_session, monkeypatch):
+    from ray.exceptions import RayActorError
+
+    from twinkle_ray.runtime.errors import WorkerDiedError
+
+    refs = [ray.put([k]) for k in range(3)]
+    _failing_get(monkeypatch, {refs[1]: ObjectFetchTimedOutError(refs[1].hex(), None, ""),
+                               refs[2]: RayActorError("a2", "The actor is dead because it was killed.")})
+    with pytest.raises(WorkerDiedError, match="rank 2"):
+        fetch(refs, [0, 1, 2], GANG, "forward", None)
+
+
+def test_a_ranks_own_timeout_fetching_its_inputs_is_its_error(ray_session, monkeypatch):
+    """A consumer rank whose task raised the timeout (fetching a producer's output): its error as
+    the rank raised it (a task error), not a note that its own output was not found."""
+    from ray.exceptions import RayTaskError
+
+    refs = [ray.put([k]) for k in range(2)]
+    cause = ObjectFetchTimedOutError("ab" * 14, None, "")
+    cause.add_note("while fetching the output of Producer.rows() on rank 3 of group 'p'")
+    _failing_get(monkeypatch, {refs[1]: RayTaskError("run", "traceback", cause).as_instanceof_cause()})
+    with pytest.raises(ObjectFetchTimedOutError) as info:
+        fetch(refs, [0, 1], GANG, "forward", None)
+    notes = info.value.__notes__
+    assert any("Producer.rows() on rank 3" in n for n in notes)
+    assert any(n.startswith("raised in Model.forward() on rank 1 of group 'trainer'") for n in notes)
+    assert not any("while fetching the output of Model.forward()" in n for n in notes)

@@ -199,11 +199,15 @@ def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: f
                 failures.append((rank, e))
     for rank, e in failures:
         if isinstance(e, ObjectFetchTimedOutError):  # Ray found no copy in time: not a death
-            raise fetch_timed_out(e, gang, method, rank) from None
+            continue
         # An output whose owner (the dispatcher) or whose node died is lost with it: a death too.
         if isinstance(e, RayActorError | ObjectLostError) or isinstance(getattr(e, "cause", None),
                                                                          RayActorError):
             raise gang.death_error(e, rank, on_lost) from None
+    for rank, e in failures:  # an output of this call not found in time (a rank's own raise of
+        # it, fetching its inputs, is that rank's error: below)
+        if isinstance(e, ObjectFetchTimedOutError) and not isinstance(e, RayTaskError):
+            raise fetch_timed_out(e, gang, method, rank) from None
     if failures:
         rank, e = failures[0]
         err = user_error(e, gang, method, rank, on_lost)
