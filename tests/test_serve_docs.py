@@ -125,6 +125,7 @@ def _driver(terminals: dict[int, str], work: Path) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)  # its own bound, with the output, comes first
 def test_serve_steps_of_the_docs_run_as_written():
     if not _userns_available():
         pytest.skip("no unprivileged user + network namespaces here (unshare -rn); the docs' "

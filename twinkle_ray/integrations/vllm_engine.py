@@ -65,11 +65,71 @@ from ..weight_channel import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["BACKEND", "CUDA_BACKEND", "RESHARDING_BACKEND", "LaneNCCLWeightTransferEngine", "NcclReceivers",
-           "TwinkleWeightTransferEngine", "init_info", "register", "transfer_config", "update_info"]
+           "TwinkleWeightTransferEngine", "WholeOrNothingReload", "init_info", "register", "transfer_config",
+           "update_info"]
 
 BACKEND = "twinkle_gloo"  # registered by register(): twinkle_ray's channel, gloo (CPU)
 CUDA_BACKEND = "twinkle_nccl"  # vLLM's dense NCCL engine, one communicator per lane (full tensors to every receiver)
 RESHARDING_BACKEND = "nccl_m2n"  # vLLM's M-to-N engine: sharded receivers, several sources
+
+
+class WholeOrNothingReload:
+    """What a failed update leaves, for an engine that loads through vLLM's layer-wise reload
+    (mixed in before the vLLM engine class).
+
+    ``start_weight_update`` moves every layer to the meta device, and vLLM's worker does not call
+    ``finish_weight_update`` after a failed update: left so, the engine cannot read its weights,
+    and its generation spins even after a later sync succeeds. So a failed update finishes the
+    reload here. When it had loaded nothing (a source failed before sending; a dropped lane),
+    that puts every layer's previous tensors back: the engine keeps its weights whole and
+    generates as before. When part of it was loaded (a load or the transfer failed part-way),
+    the layers it reached are new and a layer cut mid-way holds uninitialised values; the error
+    says so, and the next successful sync makes the engine whole.
+    """
+
+    loaded = False  # whether this update has handed any tensor to the model
+
+    def start_weight_update(self) -> None:
+        self.loaded = False
+        super().start_weight_update()
+
+    def finish_weight_update(self) -> None:
+        if self.loaded:
+            super().finish_weight_update()
+            return
+        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        level = reload_log.level
+        reload_log.setLevel(logging.ERROR)  # one 'Failed to load weights' per layer: expected here
+        try:
+            super().finish_weight_update()
+        finally:
+            reload_log.setLevel(level)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        try:
+            super().update_weights(update_info)
+        except BaseException as e:
+            try:
+                self.finish_weight_update()
+            except Exception:
+                logger.warning("weight sync: ending vLLM's layer-wise reload after a failed update failed",
+                               exc_info=True)
+            if self.loaded:
+                why = ("weight sync failed after part of it was loaded: this vLLM engine's weights are "
+                       "partly new (a layer cut mid-way holds uninitialised values) until a sync succeeds")
+                logger.error(why)
+                e.add_note(why)
+            raise
+
+
+class _Dropped:
+    """A stand-in model whose ``load_weights`` takes the received tensors and keeps none: what a
+    lane's receive loads into when the sync is dropped (another lane's source failed)."""
+
+    def load_weights(self, weights: Any = None, *args: Any, **kwargs: Any) -> set:
+        for _ in weights or ():
+            pass
+        return set()
 
 
 @dataclass
@@ -92,13 +152,8 @@ class TwinkleUpdateInfo(WeightTransferUpdateInfo):
     channel: str
 
 
-class TwinkleWeightTransferEngine(WeightTransferEngine[TwinkleInitInfo, TwinkleUpdateInfo]):
-    """A vLLM weight-transfer engine receiving twinkle_ray weight syncs (see the module docstring).
-
-    One :class:`~twinkle_ray.weight_channel.ReceiverEnd` per vLLM worker (``index`` = the worker's
-    rank in its engine): it joins every lane of a channel, and takes one sync, all lanes at once,
-    into ``model.load_weights``. The figures of the last update are kept in :attr:`last`.
-    """
+class _ChannelReceiving(WeightTransferEngine[TwinkleInitInfo, TwinkleUpdateInfo]):
+    """The receiving of :class:`TwinkleWeightTransferEngine` (which adds what a failure leaves)."""
 
     init_info_cls = TwinkleInitInfo
     update_info_cls = TwinkleUpdateInfo
@@ -121,18 +176,11 @@ class TwinkleWeightTransferEngine(WeightTransferEngine[TwinkleInitInfo, TwinkleU
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Receive one sync (every lane) into the model; CPU needs no device synchronisation.
-
-        A sync that fails ends the layer-wise reload here (vLLM's worker does not call
-        ``finish_weight_update`` after a failed update): every layer not loaded gets its
-        previous tensors back, instead of staying on the meta device. A source that failed
-        before sending loads nothing (see :func:`~twinkle_ray.weight_channel.receive_lanes`),
-        so the engine keeps its previous weights whole and goes on generating."""
-        try:
-            self.receive_weights(self.parse_update_info(update_info))
-        except BaseException:
-            end_reload_after_failure(self)
-            raise
+        """Receive one sync (every lane) into the model; CPU needs no device synchronisation. A
+        source that failed before sending loads nothing (see
+        :func:`~twinkle_ray.weight_channel.receive_lanes`), so the engine keeps its previous
+        weights whole (:class:`WholeOrNothingReload`)."""
+        self.receive_weights(self.parse_update_info(update_info))
         if self.device.type != "cpu":
             torch.accelerator.synchronize()
 
@@ -145,6 +193,7 @@ class TwinkleWeightTransferEngine(WeightTransferEngine[TwinkleInitInfo, TwinkleU
 
         with disable_mtp_completeness_check():
             for items in buckets:
+                self.loaded = True
                 self.model.load_weights(items)
 
     def finish_weight_update(self) -> None:
@@ -159,25 +208,14 @@ class TwinkleWeightTransferEngine(WeightTransferEngine[TwinkleInitInfo, TwinkleU
             self.end.close(channel)
 
 
-def end_reload_after_failure(engine: WeightTransferEngine) -> None:
-    """End the layer-wise reload ``engine.start_weight_update`` began, after a failed update: the
-    layers that received nothing get their previous tensors back (vLLM's finalisation places them),
-    where they would stay on the meta device. Best effort: the update's own error is what is raised."""
-    try:
-        engine.finish_weight_update()
-    except Exception:
-        logger.warning("weight sync: ending vLLM's layer-wise reload after a failed update failed",
-                       exc_info=True)
+class TwinkleWeightTransferEngine(WholeOrNothingReload, _ChannelReceiving):
+    """A vLLM weight-transfer engine receiving twinkle_ray weight syncs (see the module docstring).
 
-
-class _Dropped:
-    """A stand-in model whose ``load_weights`` takes the received tensors and keeps none: what a
-    lane's receive loads into when the sync is dropped (another lane's source failed)."""
-
-    def load_weights(self, weights: Any = None, *args: Any, **kwargs: Any) -> set:
-        for _ in weights or ():
-            pass
-        return set()
+    One :class:`~twinkle_ray.weight_channel.ReceiverEnd` per vLLM worker (``index`` = the worker's
+    rank in its engine): it joins every lane of a channel, and takes one sync, all lanes at once,
+    into ``model.load_weights``. The figures of the last update are kept in :attr:`last`. A sync
+    that fails leaves the weights as :class:`WholeOrNothingReload` says.
+    """
 
 
 # ------------------------------------------------------------------------------ CUDA: vLLM's NCCL engine
@@ -197,7 +235,7 @@ class LaneNCCLUpdateInfo(NCCLWeightTransferUpdateInfo):
     drop: bool = False
 
 
-class LaneNCCLWeightTransferEngine(NCCLWeightTransferEngine):
+class LaneNCCLWeightTransferEngine(WholeOrNothingReload, NCCLWeightTransferEngine):
     """vLLM's ``NCCLWeightTransferEngine`` with one communicator per lane: a pipeline-parallel trainer's
     stages each send their own layers from rank 0 of a group of their own (vLLM's engine holds one
     group, with one sender). ``init_weight_transfer_engine`` is called once per lane; each
@@ -227,6 +265,7 @@ class LaneNCCLWeightTransferEngine(NCCLWeightTransferEngine):
                                f"(lanes {sorted(self.lanes)})")
         self.model_update_group = group
         if not update_info.drop:
+            self.loaded = True
             super().receive_weights(update_info)
             return
         model, self.model = self.model, _Dropped()  # vLLM's receive loads into self.model
@@ -234,14 +273,6 @@ class LaneNCCLWeightTransferEngine(NCCLWeightTransferEngine):
             super().receive_weights(update_info)
         finally:
             self.model = model
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        """vLLM's update; a failed one ends the layer-wise reload (see :func:`end_reload_after_failure`)."""
-        try:
-            super().update_weights(update_info)
-        except BaseException:
-            end_reload_after_failure(self)
-            raise
 
     def shutdown(self) -> None:
         for group in self.lanes.values():
@@ -307,7 +338,7 @@ class NcclReceivers:
         for k, info in enumerate(infos):
             if "error" not in info:
                 llm.update_weights({"update_info": {**info, "lane": k, "drop": bool(failed)}})
-        llm.finish_weight_update()  # nothing loaded (dropped): every layer keeps its tensors
+        llm.finish_weight_update()  # nothing loaded (dropped): every layer keeps its tensors (WholeOrNothingReload)
         seconds = time.perf_counter() - start
         if failed:
             raise SourceFailed(f"weight sync: the source failed: {failed[0]}")
