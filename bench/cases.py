@@ -568,11 +568,15 @@ class GangPool:
         return self._pairs[n]
 
     def close(self) -> None:
-        for raw in self._raws:
-            raw.close()
-        self._raws.clear()
-        self._pairs.clear()
-        twinkle.shutdown()
+        """Close every gang, and wait until their actors are gone (B5, timed next, wants none)."""
+        try:
+            for raw in self._raws:
+                raw.close()
+        finally:
+            self._raws.clear()
+            self._pairs.clear()
+            twinkle.shutdown()
+            _wait_gone()
 
 
 def bench_shared(cfg: Config, only: frozenset) -> dict[str, list[dict]]:

@@ -94,13 +94,16 @@ def test_a_rebuild_gives_the_new_workers_the_same_class_and_arguments(runtime, t
 
 def test_a_gang_found_by_name_has_its_class(runtime, tmp_path):
     """GangProxy.lookup: the dispatcher hands out a proxy of the gang's class (it resolves the
-    class only then, for that caller); calls through it reach the same workers."""
+    class only then, for that caller, and never the constructor's arguments); calls through it
+    reach the same workers."""
     runtime.initialize(groups=[DeviceGroup("g", 2, "cpu")])
     Model = _traced_class(str(tmp_path))
     model = Model(Traced(str(tmp_path), "arg"), kwarg=Traced(str(tmp_path), "kwarg"), remote_group="g")
     found = GangProxy.lookup(model.label, namespace=ray.get_runtime_context().namespace)
     assert found.label == model.label and found.n_workers == 2
     assert sorted(found.pid()()) == sorted(model.pid()())
+    dispatcher = _dispatcher_pid(model.label)  # it resolved the class for the lookup, never the arguments
+    assert all(dispatcher not in _unpickled_in(str(tmp_path), what) for what in ("arg", "kwarg"))
     with pytest.raises(AttributeError, match=r"Model has no method 'nope' \(gang on group 'g'\)"):
         found.nope  # noqa: B018 (the proxy knows the class's methods)
 

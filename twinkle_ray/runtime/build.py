@@ -116,7 +116,7 @@ class Builder:
             self._start_waits = ("the worker actor", {0: endpoint})
             _, port = await endpoint
             starts = [
-                w.start.remote(port, distributed, spec.dist_timeout_s, spec.seed, (spec.payload,))
+                w.start.remote(port, distributed, spec.dist_timeout_s, spec.seed, spec.payload)
                 for w in workers
             ]
             self._start_waits = (START, dict(enumerate(starts)))

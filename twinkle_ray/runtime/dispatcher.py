@@ -218,8 +218,9 @@ class Dispatcher:
     async def proxy(self):
         """A GangProxy for this gang, for callers that found it by name (GangProxy.lookup): the
         same ``execute`` and ``lazy_collect`` as the proxy ``create_gang`` returned. The class
-        comes from the workers' payload (only here does the dispatcher unpickle it)."""
-        cls, _, _ = await self.spec.payload
+        comes from the workers' payload (only here does the dispatcher unpickle it; never the
+        constructor's arguments)."""
+        cls = await self.spec.payload[0]
         return self.spec.proxy(None, self.describe(), gang=self._own_gang(), cls=cls)
 
     def describe(self) -> dict:

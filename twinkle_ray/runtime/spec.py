@@ -6,17 +6,18 @@ its :class:`~twinkle_ray.runtime.proxy.GangProxy` are built: by
 callers that find it by name (``GangProxy.lookup``), so both behave the same
 (``execute`` and ``lazy_collect`` travel in the spec).
 
-The user's class and its constructor arguments travel to the workers as one
-object-store ref (``payload``, put where the spec is made) that only the workers
-resolve: a pickled spec carries the ref, not the class, so the dispatcher never
-unpickles them (nor imports what they import: torch, the user's module).
+The user's class and its constructor arguments travel to the workers as two
+object-store refs (``payload``: the class's, the arguments', put where the spec
+is made) that only the workers resolve: a pickled spec carries the refs, so the
+dispatcher never unpickles the arguments (nor imports what they import: torch,
+the user's module), and the class only for a caller that looks the gang up.
 
 Example::
 
     spec = GangSpec(group=g, cls=Model, label="trainer/Model", args=(), kwargs={},
                     slots=slots, owns=owns, pg=pg, execute="all", lazy_collect=True)
     proxy = spec.proxy(dispatcher_handle, desc)
-    worker.start.remote(port, True, timeout_s, seed, (spec.payload,))  # fetched there
+    worker.start.remote(port, True, timeout_s, seed, spec.payload)  # fetched there
 """
 
 from __future__ import annotations
@@ -72,17 +73,18 @@ class GangSpec:
     execute: str = "all"  # the remote_class's execute ('first': a one-worker gang)
     lazy_collect: bool = True  # the session's default: calls return LazyResults
     cls_name: str = ""  # the class's __name__ (set from ``cls``)
-    # ObjectRef of (cls, args, kwargs), put when the spec is made: what the workers build from
-    payload: Any = None
+    # (ObjectRef of cls, ObjectRef of (args, kwargs)), put when the spec is made: what the workers
+    # build from
+    payload: tuple | None = None
 
     def __post_init__(self) -> None:
         if self.cls is not None:
             self.cls_name = self.cls_name or self.cls.__name__
             if self.payload is None:
-                self.payload = ray.put((self.cls, self.args, self.kwargs))
+                self.payload = (ray.put(self.cls), ray.put((self.args, self.kwargs)))
 
     def __getstate__(self) -> dict:
-        """A pickled spec (the dispatcher's) has the payload ref, not the class and arguments."""
+        """A pickled spec (the dispatcher's) has the payload refs, not the class and arguments."""
         return {**self.__dict__, "cls": None, "args": (), "kwargs": {}}
 
     def gang_ref(self, dispatcher: Any, dispatcher_node: tuple[str, str] | None = None) -> GangRef:

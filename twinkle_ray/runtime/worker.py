@@ -12,7 +12,7 @@ Example (what the dispatcher does)::
     w = make_worker(info, pg, slot.bundle_index, resource_name="GPU", amount=1, cpus=1,
                     namespace=ns)
     _, port = ray.get(workers[0].endpoint.remote())       # rank 0's node IP and a free port
-    ray.get(w.start.remote(port, True, dist_timeout_s, seed, (ray.put((cls, args, kwargs)),)))
+    ray.get(w.start.remote(port, True, dist_timeout_s, seed, (ray.put(cls), ray.put((args, kwargs)))))
     out, meta = w.run.options(num_returns=2).remote("forward", batch)
 """
 
@@ -112,15 +112,16 @@ class GangWorker:
         distributed: bool,
         dist_timeout_s: float,
         seed: int | None,
-        payload: tuple[Any],
+        payload: tuple[Any, Any],
     ) -> tuple[str | None, int]:
         """Join torch.distributed (all ranks call this concurrently), then build the instance
-        from ``payload``: (the ref of (the class, its args, its kwargs),), fetched here.
+        from ``payload``: (the ref of the class, the ref of (its args, its kwargs)), fetched here
+        (nested in a tuple, Ray does not resolve them before the call).
 
         Returns (the torch.distributed backend used or None, this process's pid).
         """
         self.phase = "fetching the class and its arguments"
-        cls, args, kwargs = self._unpickle(payload[0])
+        cls, (args, kwargs) = self._unpickle(payload)
         os.environ["MASTER_PORT"] = str(master_port)
         backend = None
         if distributed:
@@ -137,10 +138,10 @@ class GangWorker:
         self.phase = None
         return backend, os.getpid()
 
-    def _unpickle(self, ref: Any) -> tuple[type, tuple, dict]:
-        """(cls, args, kwargs) from the spec's payload ref; a failure names the class and the fix."""
+    def _unpickle(self, refs: tuple[Any, Any]) -> tuple[type, tuple[tuple, dict]]:
+        """(cls, (args, kwargs)) from the spec's payload refs; a failure names the class and the fix."""
         try:
-            return ray.get(ref)
+            return tuple(ray.get(list(refs)))
         except ray.exceptions.RaySystemError as e:  # Ray's wrapper of an unpickling error
             why = e.client_exc if isinstance(e.client_exc, BaseException) else None
             raise TypeError(
