@@ -37,7 +37,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "deploy.md"
-RUN_TIMEOUT_S = 540
+RUN_TIMEOUT_S = 600
 
 
 def serve_terminals() -> dict[int, str]:
@@ -105,10 +105,10 @@ def _driver(terminals: dict[int, str], work: Path) -> str:
                 [ $SECONDS -ge $until ] && return 1; sleep 1
             done
         }}
-        stop() {{  # Ctrl-C a terminal; report whether it ended within 60 s
+        stop() {{  # Ctrl-C a terminal; report whether it ended within 120 s (a loaded CI machine)
             kill -INT -- -$1 2>/dev/null
-            for i in $(seq 60); do kill -0 $1 2>/dev/null || {{ echo "STOPPED $2"; return; }}; sleep 1; done
-            echo "STUCK $2"
+            for i in $(seq 120); do kill -0 $1 2>/dev/null || {{ echo "STOPPED $2"; return; }}; sleep 1; done
+            echo "STUCK $2"; ps -o pid,stat,wchan:20,args -g $1 | cut -c1-200  # what did not stop
         }}
         bash $W/terminal1.sh > $W/t1.log 2>&1 &
         T1=$!
