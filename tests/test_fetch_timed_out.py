@@ -17,18 +17,23 @@ from twinkle_ray.runtime.lazy import GangRef, fetch
 from twinkle_ray.runtime.routed import pull
 
 
-@pytest.fixture
-def one_ref_times_out(ray_session, monkeypatch):
-    refs = [ray.put([k]) for k in range(3)]
-    bad = refs[1]
+def _failing_get(monkeypatch, errors: dict) -> None:
+    """``ray.get`` raises ``errors[ref]`` for those refs (alone or in a list)."""
     real_get = ray.get
 
     def get(obj, *args, **kwargs):
-        if obj == bad or (isinstance(obj, list) and bad in obj):
-            raise ObjectFetchTimedOutError(bad.hex(), None, "")
+        for ref in (obj if isinstance(obj, list) else [obj]):
+            if ref in errors:
+                raise errors[ref]
         return real_get(obj, *args, **kwargs)
 
     monkeypatch.setattr(ray, "get", get)
+
+
+@pytest.fixture
+def one_ref_times_out(ray_session, monkeypatch):
+    refs = [ray.put([k]) for k in range(3)]
+    _failing_get(monkeypatch, {refs[1]: ObjectFetchTimedOutError(refs[1].hex(), None, "")})
     return refs
 
 
@@ -46,19 +51,6 @@ def test_a_consumers_fetch_raises_it_naming_the_producer(one_ref_times_out):
     with pytest.raises(ObjectFetchTimedOutError) as info:
         pull(one_ref_times_out, GANG, "forward", [4, 5, 6])
     assert any("Model.forward() on rank 5 of group 'trainer'" in n for n in info.value.__notes__)
-
-
-def _failing_get(monkeypatch, errors: dict) -> None:
-    """``ray.get`` raises ``errors[ref]`` for those refs (alone or in a list)."""
-    real_get = ray.get
-
-    def get(obj, *args, **kwargs):
-        for ref in (obj if isinstance(obj, list) else [obj]):
-            if ref in errors:
-                raise errors[ref]
-        return real_get(obj, *args, **kwargs)
-
-    monkeypatch.setattr(ray, "get", get)
 
 
 def test_a_death_on_a_later_rank_outranks_a_timeout(ray_session, monkeypatch):

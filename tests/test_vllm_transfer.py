@@ -88,6 +88,11 @@ def expected_vllm(hf: dict, name: str) -> torch.Tensor | None:
     return None
 
 
+def logprob_gap(want: list[list[float]], got: list[list[float]]) -> float:
+    """The largest difference between two runs' per-token log-probs."""
+    return max(abs(a - b) for wr, gr in zip(want, got, strict=True) for a, b in zip(wr, gr, strict=True))
+
+
 @pytest.fixture
 def vllm_gangs(ray_session, tmp_path):
     import ray.cloudpickle
@@ -139,7 +144,7 @@ def test_vllm_engine_receives_through_its_weight_transfer_api_bit_exact(vllm_gan
         assert sum("layernorm" in n for n in compared) == 4  # 2 layers x (input, post-attention)
         want_lp = trainer.probe_logprobs(probe)()
         got_lp = sampler.probe_logprobs(probe)()
-        gap = max(abs(a - b) for wr, gr in zip(want_lp, got_lp, strict=True) for a, b in zip(wr, gr, strict=True))
+        gap = logprob_gap(want_lp, got_lp)
         print(f"\nsync {step}: {stats}; max log-prob gap {gap:.2e}")
         assert gap <= 1e-4, gap
 
@@ -159,7 +164,7 @@ def test_vllm_engine_receives_through_its_weight_transfer_api_bit_exact(vllm_gan
     stats = sync_weights(trainer, sampler)
     assert stats.tensors > 0
     want_lp, got_lp = trainer.probe_logprobs(probe)(), sampler.probe_logprobs(probe)()
-    assert max(abs(a - b) for wr, gr in zip(want_lp, got_lp, strict=True) for a, b in zip(wr, gr, strict=True)) <= 1e-4
+    assert logprob_gap(want_lp, got_lp) <= 1e-4
 
     # A sync whose load fails part-way (a tensor vLLM has no parameter for, after the others): it
     # raises, saying the engine's weights are partly new; the engine still runs (its reload was
@@ -173,4 +178,4 @@ def test_vllm_engine_receives_through_its_weight_transfer_api_bit_exact(vllm_gan
     trainer.fail_next_syncs(False)()
     sync_weights(trainer, sampler)
     want_lp, got_lp = trainer.probe_logprobs(probe)(), sampler.probe_logprobs(probe)()
-    assert max(abs(a - b) for wr, gr in zip(want_lp, got_lp, strict=True) for a, b in zip(wr, gr, strict=True)) <= 1e-4
+    assert logprob_gap(want_lp, got_lp) <= 1e-4
