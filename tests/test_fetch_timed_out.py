@@ -80,3 +80,20 @@ def test_a_ranks_own_timeout_fetching_its_inputs_is_its_error(ray_session, monke
     assert any("Producer.rows() on rank 3" in n for n in notes)
     assert any(n.startswith("raised in Model.forward() on rank 1 of group 'trainer'") for n in notes)
     assert not any("while fetching the output of Model.forward()" in n for n in notes)
+
+
+def test_a_death_a_rank_raised_outranks_an_earlier_ranks_timeout_and_user_error(ray_session, monkeypatch):
+    """A consumer rank that found its producer dead raises WorkerDiedError in its task: that death
+    is what the caller gets, whatever an earlier rank failed with."""
+    from ray.exceptions import RayTaskError
+
+    from twinkle_ray.runtime.errors import WorkerDiedError
+
+    refs = [ray.put([k]) for k in range(2)]
+    died = WorkerDiedError("producer", "Producer", 3, None, "killed")
+    for earlier in (ObjectFetchTimedOutError(refs[0].hex(), None, ""),
+                    RayTaskError("run", "traceback", ValueError("bad row")).as_instanceof_cause()):
+        _failing_get(monkeypatch, {refs[0]: earlier,
+                                   refs[1]: RayTaskError("run", "traceback", died).as_instanceof_cause()})
+        with pytest.raises(WorkerDiedError, match="rank 3 of Producer in group 'producer' died"):
+            fetch(refs, [0, 1], GANG, "forward", None)

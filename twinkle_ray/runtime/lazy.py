@@ -200,6 +200,8 @@ def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: f
     for rank, e in failures:
         if isinstance(e, ObjectFetchTimedOutError):  # Ray found no copy in time: not a death
             continue
+        if isinstance(getattr(e, "cause", None), WorkerDiedError):  # raised by the rank: a death
+            raise e.cause from None  # it saw (a producer's), named there
         # An output whose owner (the dispatcher) or whose node died is lost with it: a death too.
         if isinstance(e, RayActorError | ObjectLostError) or isinstance(getattr(e, "cause", None),
                                                                          RayActorError):
