@@ -73,6 +73,13 @@ CUDA_BACKEND = "twinkle_nccl"  # vLLM's dense NCCL engine, one communicator per 
 RESHARDING_BACKEND = "nccl_m2n"  # vLLM's M-to-N engine: sharded receivers, several sources
 
 
+class _BelowError(logging.Filter):
+    """Drops records below ERROR (leaves the logger's level as it was)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
 class WholeOrNothingReload:
     """What a failed update leaves, for an engine that loads through vLLM's layer-wise reload
     (mixed in before the vLLM engine class).
@@ -98,12 +105,12 @@ class WholeOrNothingReload:
             super().finish_weight_update()
             return
         reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-        level = reload_log.level
-        reload_log.setLevel(logging.ERROR)  # one 'Failed to load weights' per layer: expected here
+        quiet = _BelowError()  # one 'Failed to load weights' per layer: expected here
+        reload_log.addFilter(quiet)
         try:
             super().finish_weight_update()
         finally:
-            reload_log.setLevel(level)
+            reload_log.removeFilter(quiet)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         try:
