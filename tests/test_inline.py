@@ -17,6 +17,8 @@ from ray.util import state
 from twinkle_ray import DeviceGroup, DeviceMesh, WorkerDiedError, remote_class, remote_function
 from twinkle_ray.runtime.inline import Held, certainly_small, hold_unless_small, unhold
 from twinkle_ray.runtime.lazy import LazyResult
+from twinkle_ray.runtime.message import CallRequest
+from twinkle_ray.runtime.sequencer import SETTLED
 
 
 class Traced:
@@ -110,8 +112,8 @@ def test_only_certainly_small_plain_data_comes_back_inline(ray_session):
 
 def _inline_call(gang, method: str, *args):
     """Submit ``method`` the way an eager call is (inline=True); the dispatcher's reply and its ref."""
-    plan, _ = gang._gang.dispatcher.call.remote(method, [(args, {})], "all", "all", None, False, None,
-                                                "none", True)
+    plan, _ = gang._gang.dispatcher.call.remote(
+        CallRequest(method, [(args, {})], "all", "all", collect="none", inline=True))
     return ray.get(plan), plan
 
 
@@ -121,6 +123,13 @@ def test_eager_results_come_back_inline_and_payload_stays_off_the_dispatcher(run
     gang = Echo(device_mesh=DeviceMesh.from_sizes(dp_size=4), remote_group="inline")
     assert gang.double([1, 2, 3, 4, 5, 6, 7, 8]) == [2, 4, 6, 8, 10, 12, 14, 16]
     assert gang.rank() == 1.5
+    # This caller had the eager call's reply: its next call tells the dispatcher SETTLED
+    # instead of nesting the previous call's ref in its arguments (runtime.sequencer).
+    assert gang._prev.told() == SETTLED
+    pending = gang.plain(1)  # lazy: until its reply is here, the next call carries its settled ref
+    assert isinstance(gang._prev.told(), list)
+    assert pending.get()[0]["ids"] == [0]
+    assert gang._prev.told() == SETTLED
     dispatcher = _dispatcher_pid(gang)
 
     # Small plain data rides in the dispatcher's reply: no refs, no Held.

@@ -28,24 +28,23 @@ Example (what GangProxy does)::
 
     d = Dispatcher.options(name="trainer/Model", num_cpus=0).remote(spec)
     ray.get(d.start.remote())
-    plan, _ = d.call.remote("forward", per_worker, "slice_dp", "all", None)
+    plan, _ = d.call.remote(CallRequest("forward", per_worker, "slice_dp", "all"))
     out = ray.get(plan)
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
-from typing import Any
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from .aio import all_or_first_error, values
+from .aio import ThreadedGets, all_or_first_error, values
 from .build import Builder
 from .errors import GangStuckError, WorkerDiedError, death_cause
 from .health import DeathRecord, Health
 from .lazy import END_OF_ITERATION, CallOutput, GangRef
+from .message import CallRequest
 from .metrics import GangMetrics
 from .ranks import GangState
 from .rebuild import Rebuilder
@@ -76,6 +75,7 @@ class Dispatcher:
         self._bound: dict[tuple[str, bool, bool, bool], tuple[list, list]] = {}
         # (node id, ip) of this actor: named in its death and in topology()
         self.node = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+        self.gets = ThreadedGets()  # an eager call's values (see _values_back)
 
     async def _fail(self, error: WorkerDiedError) -> None:
         await self.rebuilds.fail(error)
@@ -258,38 +258,28 @@ class Dispatcher:
 
     # -- calls ---------------------------------------------------------------------------------
     @ray.method(num_returns=2)
-    async def call(
-        self,
-        method: str,
-        per_worker: list[tuple[tuple, dict]],
-        dispatch: Any,
-        execute: str,
-        caller: tuple[int, int] | None = None,
-        wait_meta: bool = False,
-        turn: tuple[str, int] | None = None,
-        collect: str | None = None,
-        inline: bool = False,
-    ) -> tuple[CallOutput, bool]:
+    async def call(self, request: CallRequest) -> tuple[CallOutput, bool]:
         """Take the call's turn, check the gang, plan the call, submit it; return the output refs
         without waiting for them, and True: a second return that tells the caller's next call
         that this one has settled without holding its outputs (the caller keeps that one, not
         the plan, between calls: an idle caller pins no output it dropped).
 
-        ``per_worker`` holds each worker's (args, kwargs) as the caller already
-        split them (plain values and ObjectRefs); LazyResult arguments in it are
-        routed by the :class:`~twinkle_ray.runtime.routing.Router`. ``turn`` =
-        (caller id, sequence number): Ray may start an async actor's tasks out
-        of order, so each caller's calls are taken strictly in the order it made
-        them (:class:`~twinkle_ray.runtime.sequencer.Sequencer`), and every rank
-        gets the calls of all callers in the one order they are submitted here.
-        ``wait_meta`` waits for the outputs' length records (iteration uses it
-        to see StopIteration). ``collect`` names the caller's collect mode
-        (None: unknown); outputs get a length record only when routing them may
-        slice by length (each record is one more ObjectRef the caller borrows).
+        The :class:`~twinkle_ray.runtime.message.CallRequest` (one argument: cheaper for Ray
+        to carry than its fields one by one): ``per_worker`` holds each worker's (args, kwargs)
+        as the caller already split them (plain values and ObjectRefs); LazyResult arguments in
+        it are routed by the :class:`~twinkle_ray.runtime.routing.Router`. ``turn`` = (caller
+        id, sequence number, previous call): Ray may start an async actor's tasks out of order,
+        so each caller's calls are taken strictly in the order it made them
+        (:class:`~twinkle_ray.runtime.sequencer.Sequencer`), and every rank gets the calls of
+        all callers in the one order they are submitted here. ``wait_meta`` waits for the
+        outputs' length records (iteration uses it to see StopIteration). ``collect`` names the
+        caller's collect mode (None: unknown); outputs get a length record only when routing
+        them may slice by length (each record is one more ObjectRef the caller borrows).
         ``inline``: an eager call; once its turn has ended the dispatcher awaits the outputs
         and replies with their values (:mod:`~twinkle_ray.runtime.inline`), or with the refs
         if a rank failed, for the caller to raise the call's error from them.
         """
+        method, per_worker, dispatch, execute, caller, wait_meta, turn, collect, inline = request
         async with self.turns.turn(turn):  # 1. order
             workers = await self._running_workers()  # 2. health
             plan = await self._routing().plan(  # 3. plan
@@ -302,10 +292,22 @@ class Dispatcher:
             if not inline:  # an eager call's outputs are never routed
                 self._routing().remember(turn[:2] if turn else None, out)
         if inline:
-            return await _values_back(out), True
+            return await self._values_back(out), True
         if wait_meta:
             out.ended = any(m == END_OF_ITERATION for m in await values(out.metas))
         return out.packed(), True
+
+    async def _values_back(self, out: CallOutput) -> CallOutput:
+        """An eager call's reply: its outputs' values in place of the refs once every rank has
+        answered (any result not certainly small plain data stays a
+        :class:`~twinkle_ray.runtime.inline.Held` ref), or the refs themselves if a rank failed:
+        the caller raises the call's error from them, as for a lazy call (which rank, a death or
+        the user's exception)."""
+        try:
+            got = await self.gets.all(out.refs)
+        except Exception:
+            return out
+        return dataclasses.replace(out, refs=[], values=got)
 
     def _submit(self, plan: CallPlan, workers: list, inline: bool = False) -> CallOutput:
         """Send a planned call to its ranks: one actor task per target rank; takes the next
@@ -386,16 +388,3 @@ class Dispatcher:
 
 
 RemoteDispatcher = ray.remote(Dispatcher)
-
-
-async def _values_back(out: CallOutput) -> CallOutput:
-    """An eager call's reply: its outputs' values in place of the refs once every rank has
-    answered (any result not certainly small plain data stays a
-    :class:`~twinkle_ray.runtime.inline.Held` ref), or the refs themselves if a rank failed: the
-    caller raises the call's error from them, as for a lazy call (which rank, a death or the
-    user's exception)."""
-    try:
-        got = await asyncio.gather(*out.refs)
-    except Exception:
-        return out
-    return dataclasses.replace(out, refs=[], values=got)

@@ -295,14 +295,17 @@ class LazyResult(Pending):
     """
 
     __slots__ = ("_plan_ref", "_out", "_value", "_has_value", "collect", "gang", "method", "timeout",
-                 "_turn", "_sent", "_on_lost")
+                 "_turn", "_sent", "_on_lost", "_replied")
 
     def __init__(self, plan_ref, *, collect, gang: GangRef, method: str, timeout: float | None = None,
                  out: CallOutput | None = None, turn: tuple[str, int] | None = None,
-                 on_lost: Callable[[GangRef], None] | None = None):
+                 on_lost: Callable[[GangRef], None] | None = None, replied: Any = None):
         self._plan_ref = plan_ref
         # told when this call finds its dispatcher dead (the proxy that made it); never pickled
         self._on_lost = on_lost
+        # the proxy's record of this call (proxy._Previous): its ``replied`` is set once the
+        # dispatcher's reply is here, so the proxy's next call need not wait on it; never pickled
+        self._replied = replied
         self._turn = turn  # (caller id, number) of the call: its dispatcher knows the plan by it
         # (name, value) of the arguments sent to the dispatcher by value, kept by the proxy: never
         # the payload (that went to the object store), see sending.sent_by_value
@@ -343,6 +346,8 @@ class LazyResult(Pending):
                 raise self.gang.death_error(e, None, self._on_lost) from None
             except RaySystemError as e:
                 raise _unloadable(self, e) from None
+            if self._replied is not None:
+                self._replied.replied = True
             left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
             try:
                 self._out = reply.unpacked(timeout=left)

@@ -1,4 +1,10 @@
-"""The one message a worker receives for a call: :class:`WorkerCall`.
+"""The messages of a call: :class:`CallRequest` (caller -> dispatcher) and
+:class:`WorkerCall` (dispatcher -> each worker).
+
+A call reaches its dispatcher as one :class:`CallRequest`, one task argument:
+Ray serialises each argument of a task on its own, and the request's nine
+fields as nine arguments cost both sides ~0.7 ms more per call than one
+(BENCHMARKS.md, seventh session).
 
 A call reaches a worker as one actor task carrying five fields:
 
@@ -32,6 +38,27 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+
+class CallRequest(NamedTuple):
+    """One call as its caller sends it to the gang's dispatcher (see ``Dispatcher.call``).
+
+    Example::
+
+        CallRequest("forward", [((batch,), {})], "slice_dp", "all", None, False,
+                    ("caller-id", 0, None), "flatten", False)
+    """
+
+    method: str
+    per_worker: list  # each worker's (args, kwargs) as the caller split them; one entry: the same for all
+    dispatch: Any  # the method's dispatch mode (or callable)
+    execute: str  # 'all', 'first' or 'peer'
+    caller: tuple[int, int] | None = None  # (rank, world size) of a calling gang worker ('peer')
+    wait_meta: bool = False  # wait for the outputs' length records (iteration: StopIteration)
+    turn: tuple | None = None  # (caller id, number, previous call: [settled ref] | SETTLED | None)
+    collect: str | None = None  # the caller's collect mode (None: unknown)
+    inline: bool = False  # an eager call: values back in the reply (runtime.inline)
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,11 @@ from ..core.platform import Platform
 from . import balance
 from .errors import WorkerDiedError
 from .lazy import GangRef, LazyResult, fetch
+from .message import CallRequest
 from .progress import wait_with_progress
 from .restarts import RebuildLedger, RestartPolicy
 from .sending import _nbytes, put_large, sent_by_value, strip_own_gang, unpicklable
+from .sequencer import SETTLED
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +91,9 @@ class GangProxy:
         # Calls are numbered per proxy so the dispatcher takes them in the order made here.
         self._caller_id = uuid.uuid4().hex
         self._next_turn = 0
-        # The previous call's settled ref (the second return of the dispatcher's call: not the
-        # plan, which would pin its outputs) travels with each call (nested: Ray does not wait
-        # for it): a call Ray failed before it reached the dispatcher (its arguments could not
-        # be unpickled there) never takes its turn, and its failed ref tells the next call so.
-        self._prev: list | None = None
+        # The previous call (see _Previous): its settled ref travels with the next call unless
+        # this process already had its reply.
+        self._prev: _Previous | None = None
         self._turn_lock = threading.Lock()
         # Set by create_gang on the creator's proxy when max_restarts > 0 (respawn_dispatcher):
         # rebuilds the gang after its dispatcher died, within the gang's one restart budget (its
@@ -184,20 +184,20 @@ class GangProxy:
         try:
             with self._turn_lock:  # numbers follow submission order, also across threads
                 turn = (self._caller_id, self._next_turn)
-                plan, settled = g.dispatcher.call.remote(
-                    name, per_worker, spec.dispatch, execute, caller, wait_meta,
-                    (*turn, self._prev), spec.collect if isinstance(spec.collect, str) else "custom",
-                    inline,
-                )
+                prev = None if self._prev is None else self._prev.told()
+                plan, settled = g.dispatcher.call.remote(CallRequest(
+                    name, per_worker, spec.dispatch, execute, caller, wait_meta, (*turn, prev),
+                    spec.collect if isinstance(spec.collect, str) else "custom", inline,
+                ))
                 self._next_turn += 1  # only a submitted call takes a turn
-                self._prev = [settled]  # not the plan: that would pin its outputs
+                self._prev = previous = _Previous(settled)
         except Exception as e:
             why = unpicklable(args, kwargs)
             if why is None:
                 raise
             raise TypeError(f"{g.cls_name}.{name}() on group '{g.group}': {why}") from e
         result = LazyResult(plan, collect=spec.collect, gang=g, method=name, timeout=spec.timeout,
-                            turn=turn, on_lost=self._dispatcher_died)
+                            turn=turn, on_lost=self._dispatcher_died, replied=previous)
         result._sent = sent_by_value(per_worker)  # to name an argument the dispatcher could not unpickle
         if eager:
             return result.get()
@@ -251,11 +251,12 @@ class GangProxy:
         self._check_open()
         g = self._gang
         with self._turn_lock:
-            turn = (self._caller_id, self._next_turn, self._prev)
+            turn = (self._caller_id, self._next_turn, None if self._prev is None else self._prev.told())
             ref = g.dispatcher.save_state.remote(path, turn)
             self._next_turn += 1
-            self._prev = [ref]
+            self._prev = previous = _Previous(ref)
         n = fetch([ref], [0], g, "save_state", timeout, on_lost=self._dispatcher_died)[0]
+        previous.replied = True
         # States saved in memory are owned by the dispatcher and die with it; files do not.
         self._saved_files = None if path is None else [os.path.join(path, f"rank{r}.pt")
                                                        for r in range(n)]
@@ -401,6 +402,25 @@ class GangProxy:
 
     def __reduce__(self):
         return (GangProxy, (self._cls, self._gang, self._execute, self._lazy_default, self._desc))
+
+
+class _Previous:
+    """A proxy's last call, as its next call tells the dispatcher of it (``Sequencer.wait``).
+
+    ``settled`` is the ref of the dispatcher's second return (not the plan, which would pin
+    the call's outputs): it settles once the call ended its turn, or failed before it reached
+    the dispatcher (its arguments did not unpickle there) and so never took it. Once this
+    process has had the call's reply (``replied``, set by the call's LazyResult), the next call
+    says SETTLED instead: nothing to wait for, and no ref nested in its arguments.
+    """
+
+    __slots__ = ("settled", "replied")
+
+    def __init__(self, settled: Any):
+        self.settled, self.replied = settled, False
+
+    def told(self) -> list | str:
+        return SETTLED if self.replied else [self.settled]
 
 
 _ITER_FUNCTION = RemoteFunction(None, dispatch="all", execute="first", collect="none")

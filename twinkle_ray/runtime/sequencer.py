@@ -8,7 +8,8 @@ gets the calls of all callers in the order they are submitted) follows.
 The table is bounded: only the ``TURN_CALLERS_KEPT`` callers whose turns
 ended last keep an entry (every unpickled proxy copy is a caller: their
 number has no bound). A caller without an entry waits for its previous
-call's settled ref instead (see :meth:`Sequencer.wait`).
+call's settled ref instead, or goes at once when its caller already had
+that call's reply (``SETTLED``; see :meth:`Sequencer.wait`).
 
 Example::
 
@@ -34,6 +35,10 @@ TURN_WAIT_S = 60.0  # how long a call waits for its caller's previous call to ar
 # ones are dropped (every unpickled proxy copy is a caller: their number has no bound). See
 # Sequencer.wait for why a dropped caller's next call still comes after its previous one.
 TURN_CALLERS_KEPT = 256
+# What a call says of its caller's previous call when the caller already had that call's reply:
+# it ended its turn here (so nothing to wait for, and no ref to send: a ref nested in a call's
+# arguments costs both sides Ray's borrowing protocol).
+SETTLED = "settled"
 
 
 class Sequencer:
@@ -52,9 +57,10 @@ class Sequencer:
         """Hold the caller's turn: wait until its previous call was submitted, and pass the
         turn on when the body ends (whatever happened in it). None: no order to keep.
 
-        ``turn`` is (caller id, number[, [previous call's ref]]): a previous call that Ray
-        failed before it reached this actor (its arguments could not be unpickled) never takes
-        its turn; its ref settles, and this call goes ahead at once instead of waiting for it.
+        ``turn`` is (caller id, number[, [previous call's ref] or SETTLED]): a previous call
+        that Ray failed before it reached this actor (its arguments could not be unpickled)
+        never takes its turn; its ref settles, and this call goes ahead at once instead of
+        waiting for it.
         """
         if turn is None:
             yield
@@ -65,16 +71,20 @@ class Sequencer:
         finally:
             self.end(turn[0], turn[1])
 
-    async def wait(self, caller: str, seq: int, prev: list | None = None) -> None:
+    async def wait(self, caller: str, seq: int, prev: list | str | None = None) -> None:
         """Wait until call ``seq`` of ``caller`` may go: its previous call ended its turn here.
 
         The rule that bounds the table: only the TURN_CALLERS_KEPT callers whose turns ended
         last keep an entry. A caller without one (new, or dropped) and ``seq > 0`` waits for
         its previous call's settled ref ``prev`` to settle: that call's ``call`` returns only after
         its turn ended, so order holds without the entry (at the cost of that one await); a
-        previous call still in its turn wakes this one when it ends (``end``).
+        previous call still in its turn wakes this one when it ends (``end``). ``prev`` is
+        SETTLED when the caller had the previous call's reply, which this actor sends only once
+        that call's turn ended: no wait then, with or without an entry.
         """
         if self._turns.get(caller, 0) >= seq:  # its turn already (the usual case): no wait
+            return
+        if prev == SETTLED:  # ended here before its reply went out; the entry was dropped
             return
         fut = self._turn_waiters[(caller, seq)] = asyncio.get_running_loop().create_future()
         settled = asyncio.ensure_future(quiet(prev[0])) if prev and prev[0] is not None else None

@@ -1,0 +1,87 @@
+"""The caller's turn (``runtime.sequencer``), without Ray: each caller's calls in the order it
+made them, the bounded table, and a call whose caller already had its predecessor's reply.
+
+Waits here are bounded by ``asyncio.wait_for`` only to turn a hang into a failure; no figure
+is timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from twinkle_ray.runtime import sequencer
+from twinkle_ray.runtime.sequencer import SETTLED, TURN_CALLERS_KEPT, Sequencer
+
+HANG_S = 10.0  # a turn that should go at once and has not by then is waiting for good
+
+
+@pytest.fixture(autouse=True)
+def _long_turn_wait(monkeypatch):
+    # A call that wrongly waits for a predecessor would go ahead after TURN_WAIT_S; make that
+    # an hour, so such a wait shows as a hang (HANG_S), not as a pass.
+    monkeypatch.setattr(sequencer, "TURN_WAIT_S", 3600.0)
+
+
+async def _take(turns: Sequencer, caller: str, n: int, prev=None, log: list | None = None) -> None:
+    async with turns.turn((caller, n, prev)):
+        if log is not None:
+            log.append((caller, n))
+        await asyncio.sleep(0)
+
+
+def test_each_callers_calls_take_their_turns_in_the_order_made():
+    async def main():
+        turns, log = Sequencer("g/C"), []
+        # arrive out of order (as Ray may start an async actor's tasks), two callers interleaved
+        await asyncio.wait_for(asyncio.gather(
+            _take(turns, "a", 2, log=log), _take(turns, "b", 1, log=log), _take(turns, "a", 1, log=log),
+            _take(turns, "b", 0, log=log), _take(turns, "a", 0, log=log),
+        ), HANG_S)
+        return log, turns.stats()
+
+    log, stats = asyncio.run(main())
+    assert [n for c, n in log if c == "a"] == [0, 1, 2]
+    assert [n for c, n in log if c == "b"] == [0, 1]
+    assert stats == {"turns": 2, "turn_waiters": 0}
+
+
+def test_a_caller_dropped_from_the_table_goes_at_once_when_it_had_the_previous_reply():
+    async def main():
+        turns = Sequencer("g/C")
+        await _take(turns, "old", 0)
+        for i in range(TURN_CALLERS_KEPT):  # other callers push 'old' out of the bounded table
+            await _take(turns, f"c{i}", 0)
+        assert turns.stats()["turns"] == TURN_CALLERS_KEPT
+        log: list = []
+        # its reply to call 0 came back: call 1 says SETTLED and must not wait for an entry
+        await asyncio.wait_for(_take(turns, "old", 1, SETTLED, log), HANG_S)
+        return log, turns.stats()
+
+    log, stats = asyncio.run(main())
+    assert log == [("old", 1)]
+    assert stats["turns"] == TURN_CALLERS_KEPT and stats["turn_waiters"] == 0
+
+
+def test_a_call_waits_for_its_predecessor_still_in_its_turn():
+    async def main():
+        turns, log = Sequencer("g/C"), []
+        gate = asyncio.Event()
+
+        async def slow_first():
+            async with turns.turn(("a", 0, None)):
+                await gate.wait()
+                log.append(0)
+
+        first = asyncio.ensure_future(slow_first())
+        await asyncio.sleep(0)
+        # call 1 of the same caller while call 0 holds the turn: it waits until call 0 ends
+        second = asyncio.ensure_future(_take(turns, "a", 1, [None], log))
+        await asyncio.sleep(0.05)
+        assert log == [] and not second.done()
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(first, second), HANG_S)
+        return log
+
+    assert asyncio.run(main()) == [0, ("a", 1)]
