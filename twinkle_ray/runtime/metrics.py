@@ -25,18 +25,27 @@ series carries the tags ``gang`` (the gang's label, ``group/Class``) and
 ``group/Class.method`` task names) off. Nothing is made at import: each
 dispatcher and worker makes its gang's metric objects when it starts.
 
+A call only notes its figures (a dict or list entry); one daemon thread per
+process hands them to Ray within ``FLUSH_S`` (Ray itself exports every 10 s
+by default), so recording a metric is never on a call's path: Ray's
+``Counter.inc``/``Histogram.observe`` cost a no-op call on 4 workers several
+per cent (BENCHMARKS.md, seventh session).
+
 Example::
 
     m = GangMetrics.create("trainer/Model", on=metrics_enabled())  # None when TWINKLE_METRICS=0
     if m is not None:
         m.called("forward")                                  # the dispatcher, per call
         m.ran("forward", seconds=0.012, nbytes=4096, failed=False)   # a worker, per rank
+        m.flush()                                            # now, not within FLUSH_S
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -47,6 +56,8 @@ LATENCY_BOUNDARIES = [0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0
 TAG_KEYS = ("gang", "method")
 _SAMPLE = 8  # items of a list/tuple/dict looked at when counting bytes; the rest estimated
 _NO_BYTES = frozenset({int, float, bool, str, type(None), complex})
+# Figures noted by calls reach Ray's metrics at most this many seconds later.
+FLUSH_S = 0.5
 
 
 def metrics_enabled() -> bool:
@@ -75,6 +86,12 @@ class GangMetrics:
             "twinkle_routed_bytes_total",
             description="Bytes of arrays, tensors and bytes in the arguments the workers received.",
             tag_keys=TAG_KEYS)
+        # Noted by calls, recorded by the flusher thread (started at the first note).
+        self._lock = threading.Lock()
+        self._calls: dict[str, int] = {}
+        self._runs: list[tuple[str, float | None, int, bool]] = []
+        self._wake = threading.Event()
+        self._flusher: threading.Thread | None = None
 
     @classmethod
     def create(cls, gang: str, on: bool = True) -> GangMetrics | None:
@@ -95,25 +112,56 @@ class GangMetrics:
 
     def called(self, method: str) -> None:
         """One call submitted (the dispatcher)."""
-        try:
-            self.calls.inc(1, self.tags(method))
-        except Exception:  # a metric must never fail a call
-            logger.debug("twinkle_calls_total not recorded", exc_info=True)
+        with self._lock:
+            self._calls[method] = self._calls.get(method, 0) + 1
+        self._soon()
 
     def ran(self, method: str, seconds: float | None, nbytes: int, failed: bool) -> None:
         """One rank ran ``method`` (the worker): seconds in the method (None: it never started,
         e.g. a routed input failed), argument bytes, and whether it raised."""
+        with self._lock:
+            self._runs.append((method, seconds, nbytes, failed))
+        self._soon()
+
+    def _soon(self) -> None:
+        """Have the noted figures recorded within FLUSH_S."""
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_loop, name="twinkle-metrics",
+                                             daemon=True)
+            self._flusher.start()
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def _flush_loop(self) -> None:
+        while True:
+            self._wake.wait()  # idle until a call notes something: no polling
+            time.sleep(FLUSH_S)
+            self._wake.clear()
+            self.flush()
+
+    def flush(self) -> None:
+        """Record every figure noted so far in Ray's metrics (the flusher thread calls it)."""
+        with self._lock:
+            calls, self._calls = self._calls, {}
+            runs, self._runs = self._runs, []
         try:
-            tags = self.tags(method)
-            if seconds is not None:
-                self.seconds.observe(seconds, tags)
-            if nbytes > 0:
-                self.routed_bytes.inc(nbytes, tags)
-            if failed:
-                self.errors.inc(1, tags)
+            for method, n in calls.items():
+                self.calls.inc(n, self.tags(method))
+            nbytes: dict[str, int] = {}
+            errors: dict[str, int] = {}
+            for method, seconds, size, failed in runs:
+                if seconds is not None:
+                    self.seconds.observe(seconds, self.tags(method))
+                if size > 0:
+                    nbytes[method] = nbytes.get(method, 0) + size
+                if failed:
+                    errors[method] = errors.get(method, 0) + 1
+            for method, size in nbytes.items():
+                self.routed_bytes.inc(size, self.tags(method))
+            for method, n in errors.items():
+                self.errors.inc(n, self.tags(method))
         except Exception:  # a metric must never fail a call
             logger.debug("twinkle metrics not recorded", exc_info=True)
-
 
 def payload_nbytes(value: Any, depth: int = 2) -> int:
     """Bytes of the arrays, tensors and bytes in ``value``, without pickling anything.
