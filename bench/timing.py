@@ -12,11 +12,13 @@ Example::
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
 
 Step = Callable[[], object]
+ORDER_SEED = 20261125  # compare_many's round orders
 
 
 def timed(fn: Step, before: Step | None = None, after: Step | None = None) -> float:
@@ -72,21 +74,26 @@ def compare(
 def compare_many(
     sides: dict[str, Step], *, repeats: int, warmup: int = 1, before: dict[str, Step] | None = None,
 ) -> dict[str, list[float]]:
-    """Samples (seconds) of every side, run in a rotating order ``repeats`` times each.
+    """Samples (seconds) of every side, run in a shuffled order ``repeats`` times each.
 
-    Round ``i`` starts with side ``i % k`` (k sides), so every side takes every
-    position equally often. ``before[side]`` (optional) runs untimed just before
-    each run of that side. Returns ``{side: [seconds, ...]}`` in run order.
+    Each round runs every side once, in an order drawn afresh (seeded, so a run
+    is repeatable): every side takes every position, and follows every other
+    side, about equally often. A plain rotation would keep each side's
+    predecessor fixed, and what one call leaves behind (a lazy call's borrowed
+    refs are released after it returns) slowed whichever side came next by
+    ~10 % (seventh session). ``before[side]`` (optional) runs untimed just
+    before each run of that side. Returns ``{side: [seconds, ...]}`` in run
+    order.
     """
     names = list(sides)
     before = before or {}
+    order = random.Random(ORDER_SEED)
     for _ in range(warmup):
         for name in names:
             timed(sides[name], before.get(name))
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(repeats):
-        k = i % len(names)
-        for name in names[k:] + names[:k]:
+    for _ in range(repeats):
+        for name in order.sample(names, len(names)):
             samples[name].append(timed(sides[name], before.get(name)))
     return samples
 
