@@ -83,23 +83,29 @@ class ThreadedGets:
             return list(await asyncio.gather(*refs))
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._busy += 1
-        if self._started < self._busy:
+        if self._started <= self._busy:  # every thread started so far is on a get: one more
             if not self._started:
                 os.environ.setdefault(*_NO_BLOCKING_WARNING)
             threading.Thread(target=self._serve, name="twinkle-get", daemon=True).start()
             self._started += 1
+        self._busy += 1
         self._jobs.put((loop, fut, refs))
         return await fut
 
     def _serve(self) -> None:
         while True:
-            loop, fut, refs = self._jobs.get()
-            try:
-                got, failed = ray.get(refs), None
-            except BaseException as e:  # handed to the awaiting call as it is
-                got, failed = None, e
+            self._one(*self._jobs.get())  # its refs and values go with the call: an idle thread
+            # holds none of them (a held result would stay pinned in its worker's store)
+
+    def _one(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future, refs: list) -> None:
+        try:
+            got, failed = ray.get(refs), None
+        except BaseException as e:  # handed to the awaiting call as it is
+            got, failed = None, e
+        try:
             loop.call_soon_threadsafe(self._settle, fut, got, failed)
+        except RuntimeError:  # the loop was closed meanwhile: no one is waiting
+            pass
 
     def _settle(self, fut: asyncio.Future, got: Any, failed: BaseException | None) -> None:
         self._busy -= 1

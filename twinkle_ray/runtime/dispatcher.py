@@ -106,6 +106,8 @@ class Dispatcher:
     async def stop(self) -> None:
         """Leave torch.distributed where possible, then kill every worker."""
         self.state.stopped = True
+        if self.metrics is not None:  # the calls noted since the last flush
+            self.metrics.flush()
         self.rebuilds.stop()
         await self.builder.kill(graceful=True)
 
@@ -135,7 +137,7 @@ class Dispatcher:
         creator's ticket: its count of the gang's one restart budget outlives this actor)."""
         return await self.rebuilds.started_at(k)
 
-    async def save_state(self, path: str | None = None, turn: tuple[str, int] | None = None) -> int:
+    async def save_state(self, path: str | None = None, turn: tuple | None = None) -> int:
         """Keep every rank's ``state_dict()`` (ObjectRefs this actor owns, or files under
         ``path``) for the restore after a rebuild. Taken in call order; returns the rank count."""
         async with self.turns.turn(turn):

@@ -347,7 +347,7 @@ class LazyResult(Pending):
             except RaySystemError as e:
                 raise _unloadable(self, e) from None
             if self._replied is not None:
-                self._replied.replied = True
+                self._replied.replied_now()
             left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
             try:
                 self._out = reply.unpacked(timeout=left)

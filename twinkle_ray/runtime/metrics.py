@@ -25,8 +25,8 @@ series carries the tags ``gang`` (the gang's label, ``group/Class``) and
 ``group/Class.method`` task names) off. Nothing is made at import: each
 dispatcher and worker makes its gang's metric objects when it starts.
 
-A call only notes its figures (a dict or list entry); one daemon thread per
-process hands them to Ray within ``FLUSH_S`` (Ray itself exports every 10 s
+A call only notes its figures (a dict or list entry); one daemon thread (per
+gang, in its dispatcher and in each worker) hands them to Ray within ``FLUSH_S`` (Ray itself exports every 10 s
 by default), so recording a metric is never on a call's path: Ray's
 ``Counter.inc``/``Histogram.observe`` cost a no-op call on 4 workers several
 per cent (BENCHMARKS.md, seventh session).
@@ -126,9 +126,11 @@ class GangMetrics:
     def _soon(self) -> None:
         """Have the noted figures recorded within FLUSH_S."""
         if self._flusher is None:
-            self._flusher = threading.Thread(target=self._flush_loop, name="twinkle-metrics",
-                                             daemon=True)
-            self._flusher.start()
+            with self._lock:
+                if self._flusher is None:
+                    self._flusher = threading.Thread(target=self._flush_loop,
+                                                     name="twinkle-metrics", daemon=True)
+                    self._flusher.start()
         if not self._wake.is_set():
             self._wake.set()
 
@@ -144,24 +146,28 @@ class GangMetrics:
         with self._lock:
             calls, self._calls = self._calls, {}
             runs, self._runs = self._runs, []
+        nbytes: dict[str, int] = {}
+        errors: dict[str, int] = {}
+        for method, n in calls.items():
+            self._record(self.calls.inc, n, method)
+        for method, seconds, size, failed in runs:
+            if seconds is not None:
+                self._record(self.seconds.observe, seconds, method)
+            if size > 0:
+                nbytes[method] = nbytes.get(method, 0) + size
+            if failed:
+                errors[method] = errors.get(method, 0) + 1
+        for method, size in nbytes.items():
+            self._record(self.routed_bytes.inc, size, method)
+        for method, n in errors.items():
+            self._record(self.errors.inc, n, method)
+
+    def _record(self, record: Any, value: float, method: str) -> None:
         try:
-            for method, n in calls.items():
-                self.calls.inc(n, self.tags(method))
-            nbytes: dict[str, int] = {}
-            errors: dict[str, int] = {}
-            for method, seconds, size, failed in runs:
-                if seconds is not None:
-                    self.seconds.observe(seconds, self.tags(method))
-                if size > 0:
-                    nbytes[method] = nbytes.get(method, 0) + size
-                if failed:
-                    errors[method] = errors.get(method, 0) + 1
-            for method, size in nbytes.items():
-                self.routed_bytes.inc(size, self.tags(method))
-            for method, n in errors.items():
-                self.errors.inc(n, self.tags(method))
-        except Exception:  # a metric must never fail a call
-            logger.debug("twinkle metrics not recorded", exc_info=True)
+            record(value, self.tags(method))
+        except Exception:  # a metric must never fail a call, nor keep the others from Ray
+            logger.debug("twinkle metric not recorded", exc_info=True)
+
 
 def payload_nbytes(value: Any, depth: int = 2) -> int:
     """Bytes of the arrays, tensors and bytes in ``value``, without pickling anything.

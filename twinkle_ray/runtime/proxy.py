@@ -256,7 +256,7 @@ class GangProxy:
             self._next_turn += 1
             self._prev = previous = _Previous(ref)
         n = fetch([ref], [0], g, "save_state", timeout, on_lost=self._dispatcher_died)[0]
-        previous.replied = True
+        previous.replied_now()
         # States saved in memory are owned by the dispatcher and die with it; files do not.
         self._saved_files = None if path is None else [os.path.join(path, f"rank{r}.pt")
                                                        for r in range(n)]
@@ -410,8 +410,8 @@ class _Previous:
     ``settled`` is the ref of the dispatcher's second return (not the plan, which would pin
     the call's outputs): it settles once the call ended its turn, or failed before it reached
     the dispatcher (its arguments did not unpickle there) and so never took it. Once this
-    process has had the call's reply (``replied``, set by the call's LazyResult), the next call
-    says SETTLED instead: nothing to wait for, and no ref nested in its arguments.
+    process has had the call's reply (``replied_now``, called by the call's LazyResult), the
+    next call says SETTLED instead: nothing to wait for, and no ref nested in its arguments.
     """
 
     __slots__ = ("settled", "replied")
@@ -419,8 +419,16 @@ class _Previous:
     def __init__(self, settled: Any):
         self.settled, self.replied = settled, False
 
+    def replied_now(self) -> None:
+        """The call's reply is here: it ended its turn. Its settled ref is dropped (a kept
+        LazyResult keeps this record)."""
+        self.replied = True
+        self.settled = None  # after ``replied``: told() in another thread reads them the other way
+
     def told(self) -> list | str:
-        return SETTLED if self.replied else [self.settled]
+        """What the next call says of this one: SETTLED, or ``[settled ref]`` to wait on."""
+        settled = self.settled
+        return SETTLED if self.replied or settled is None else [settled]
 
 
 _ITER_FUNCTION = RemoteFunction(None, dispatch="all", execute="first", collect="none")

@@ -84,7 +84,7 @@ class Sequencer:
         """
         if self._turns.get(caller, 0) >= seq:  # its turn already (the usual case): no wait
             return
-        if prev == SETTLED:  # ended here before its reply went out; the entry was dropped
+        if prev == SETTLED:  # it ended here before its reply went out (its entry since dropped)
             return
         fut = self._turn_waiters[(caller, seq)] = asyncio.get_running_loop().create_future()
         settled = asyncio.ensure_future(quiet(prev[0])) if prev and prev[0] is not None else None

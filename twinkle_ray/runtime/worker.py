@@ -307,7 +307,10 @@ class GangWorker:
         threading.Event().wait()
 
     def stop(self) -> None:
-        """Leave torch.distributed cleanly before the actor is killed."""
+        """Leave torch.distributed cleanly before the actor is killed (and hand Ray the metrics
+        noted since the last flush)."""
+        if self.metrics is not None:
+            self.metrics.flush()
         try:
             import sys
 
