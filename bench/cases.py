@@ -224,7 +224,7 @@ B1_FLOOR = "B1 one-hop floor (bare forwarding actor, refs back)"
 
 
 def _b1(cfg: Config, gang, actors: list) -> list[dict]:
-    """B1 eager and lazy, the one-hop floor and raw in one rotation; then B1's what-if rows.
+    """B1 eager and lazy, the one-hop floor and raw in one compare_many; then B1's what-if rows.
 
     The one-hop floor (:class:`bench.whatif.Hop` ``refs``: a bare async actor
     fans the no-op out to the raw actors and hands the output refs back, the
@@ -274,7 +274,7 @@ def _b1(cfg: Config, gang, actors: list) -> list[dict]:
 
 def _b1_metrics(cfg: Config, gang, n: int, group: str) -> list[dict]:
     """B1 with metrics on (the B1 gang) vs off (a second gang on the same workers' bundles of
-    DeviceGroup ``group``, made with ``TWINKLE_METRICS=0``: no metrics, no task names), in one rotation.
+    DeviceGroup ``group``, made with ``TWINKLE_METRICS=0``: no metrics, no task names), in one compare_many.
 
     ``ratio`` = on / off: what the gang metrics and named worker tasks cost a no-op call.
     """

@@ -4,12 +4,12 @@ Runs on a ``ray.cluster_utils.Cluster`` of two raylets on this machine
 (node A: 4 CPUs, node B: 2 CPUs; the groups are STRICT_PACK, so the dp=4
 group takes node A and the dp=2 group node B). The same 256 MB flow runs
 through twinkle_ray (LazyResult routing) and through raw Ray (producer refs passed straight to the consumer
-actors), in one rotation. Payload bytes are traced by unpickling (see
+actors), in one compare_many. Payload bytes are traced by unpickling (see
 :mod:`bench.payload`): ``bytes_to_consumers`` is what crossed from node A to
 node B (every consumer lives on B), and nothing may pass through the driver
 or a dispatcher.
 
-The transfer floor runs in the same rotation: Ray alone moving the same bytes
+The transfer floor runs in the same rounds: Ray alone moving the same bytes
 from node A's object store to node B, nothing else. Before its clock starts,
 the raw producers on node A return fresh objects of the flow's chunk sizes
 (four chunks, as the consumers pull them); then the two raw actors on node B
@@ -137,7 +137,7 @@ def run(argv: list[str] | None = None) -> dict:
             }
         payload.clear(trace_dir)
         samples = compare_many(sides, repeats=repeats, warmup=1, before=before)
-        transfer = spans[-repeats:]  # the rotation's runs (not the traced one or the warm-up)
+        transfer = spans[-repeats:]  # the timed rounds (not the traced one or the warm-up)
         row = {"name": f"F1 2-node flow dp=4 (node A) -> dp=2 (node B), {mb} MB", "unit": "s",
                "payload_bytes_total": mb * 1024 * 1024, "traffic": traffic}
         ratio, paired = ratios(samples["twinkle"], samples["raw"])
@@ -167,7 +167,7 @@ def run(argv: list[str] | None = None) -> dict:
         payload.clear(trace_dir)
         os.rmdir(trace_dir)
     text = "\n".join([
-        f"{row['name']} (medians of {repeats} rounds, one rotation)",
+        f"{row['name']} (medians of {repeats} rounds, balanced orders)",
         f"  transfer floor {row['floor_s']:7.3f} s  Ray alone, node A -> node B: "
         f"{row['floor_bytes'] / 2**20:.1f} MB at {row['floor_rate_mb_s']:.0f} MB/s "
         f"(with the driver's call hop {row['floor_call_s']:.3f} s; not in it: making the chunks on "

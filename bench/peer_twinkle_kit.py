@@ -33,8 +33,8 @@ ratio = twinkle_ray / twinkle-kit.
 - **driver CPU per lazy call**, same gangs (as ``bench.cases`` B10):
   ``time.process_time()`` of the driver process (all its threads, Ray's core
   worker threads included) around 100 back-to-back calls, divided by 100;
-  their results are drained after the clock stops; median of rounds in a
-  rotating order. twinkle_ray: ``gang.noop()``, which returns its lazy result
+  their results are drained after the clock stops; median of rounds in
+  balanced orders (``bench.timing.balanced_orders``). twinkle_ray: ``gang.noop()``, which returns its lazy result
   (one actor-task submission to the gang's dispatcher), drained with
   ``.get()``. twinkle-kit (lazy_collect on, its default): ``gang.noop()``,
   which runs its driver-side wrapper (caller capture, ``_dispatch_args``,
@@ -75,7 +75,7 @@ from twinkle import remote_function as tk_remote_function
 
 import twinkle_ray as tr
 from bench import payload
-from bench.timing import compare, compare_many, driver_cpu_per_call, ratios
+from bench.timing import balanced_orders, compare, compare_many, driver_cpu_per_call, ratios
 from bench.whatif import Hop
 from twinkle_ray import DeviceGroup as TrGroup
 from twinkle_ray import DeviceMesh as TrMesh
@@ -292,8 +292,9 @@ def bench_call(n: int, repeats: int, lazy_calls: int, lazy_rounds: int) -> list[
         driver_cpu_per_call(submit, max(lazy_calls // 5, 5), drain)
     cpu: dict[str, list[float]] = {k: [] for k in lazy}
     names = list(lazy)
-    for i in range(lazy_rounds):  # rotating order, as compare_many
-        for name in names[i % len(names):] + names[:i % len(names)]:
+    orders = balanced_orders(len(names))
+    for i in range(lazy_rounds):  # balanced orders, as compare_many
+        for name in (names[j] for j in orders[i % len(orders)]):
             cpu[name].append(driver_cpu_per_call(lazy[name][0], lazy_calls, lazy[name][1]))
     cmed = {k: statistics.median(v) for k, v in cpu.items()}
     for key, label in (("twinkle_ray", f"driver CPU per lazy call, {n} workers ({lazy_calls} calls back to back)"),

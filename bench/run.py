@@ -207,7 +207,7 @@ def table(report: dict) -> str:
             lines.append(f"   tracer self-check: one output fetched by the driver on purpose was seen as "
                          f"{row['tracer_self_check_bytes'] / mb:.0f} MB via the driver")
     if metrics:
-        lines += ["", "Gang metrics and task names on vs off (same run, one rotation; ratio = on / off):",
+        lines += ["", "Gang metrics and task names on vs off (same run, one compare_many; ratio = on / off):",
                   f"{'':<58} {'on':>12} {'off':>12} {'ratio':>7} {'paired':>8}"]
         for row in metrics:
             on = "" if row.get("metrics_on", True) else " (TWINKLE_METRICS=0: both off)"

@@ -1,7 +1,7 @@
 """Interleaved timing: twinkle_ray and raw Ray take turns, so drift hits both alike.
 
 ``compare_many`` does the same for more than two sides (B1: twinkle eager,
-twinkle lazy, the one-hop floor and raw in one rotation).
+twinkle lazy, the one-hop floor and raw, in balanced orders).
 
 Example::
 
@@ -12,13 +12,11 @@ Example::
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from collections.abc import Callable
 
 Step = Callable[[], object]
-ORDER_SEED = 20261125  # compare_many's round orders
 
 
 def timed(fn: Step, before: Step | None = None, after: Step | None = None) -> float:
@@ -74,28 +72,45 @@ def compare(
 def compare_many(
     sides: dict[str, Step], *, repeats: int, warmup: int = 1, before: dict[str, Step] | None = None,
 ) -> dict[str, list[float]]:
-    """Samples (seconds) of every side, run in a shuffled order ``repeats`` times each.
+    """Samples (seconds) of every side, ``repeats`` rounds of each side once.
 
-    Each round runs every side once, in an order drawn afresh (seeded, so a run
-    is repeatable): every side takes every position, and follows every other
-    side, about equally often. A plain rotation would keep each side's
-    predecessor fixed, and what one call leaves behind (a lazy call's borrowed
-    refs are released after it returns) slowed whichever side came next by
-    ~10 % (seventh session). ``before[side]`` (optional) runs untimed just
-    before each run of that side. Returns ``{side: [seconds, ...]}`` in run
-    order.
+    The rounds' orders follow a Williams design (:func:`balanced_orders`): every
+    side takes every position, and follows every other side, equally often. A
+    plain rotation kept each side's predecessor fixed, and what one call leaves
+    behind (a lazy call's borrowed refs are released after it returns) slowed
+    whichever side always came next by ~10 % (seventh session).
+    ``before[side]`` (optional) runs untimed just before each run of that side.
+    Returns ``{side: [seconds, ...]}`` in run order.
     """
     names = list(sides)
     before = before or {}
-    order = random.Random(ORDER_SEED)
+    orders = balanced_orders(len(names))
     for _ in range(warmup):
         for name in names:
             timed(sides[name], before.get(name))
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(repeats):
-        for name in order.sample(names, len(names)):
-            samples[name].append(timed(sides[name], before.get(name)))
+    for i in range(repeats):
+        for j in orders[i % len(orders)]:
+            samples[names[j]].append(timed(sides[names[j]], before.get(names[j])))
     return samples
+
+
+def balanced_orders(k: int) -> list[list[int]]:
+    """Orders of ``k`` sides (a Williams design: k orders, 2k when k is odd) in which every side
+    takes every position, and directly follows every other side, equally often.
+
+    >>> balanced_orders(4)
+    [[0, 1, 3, 2], [1, 2, 0, 3], [2, 3, 1, 0], [3, 0, 2, 1]]
+    """
+    base, low, high = [0], 1, k - 1
+    while len(base) < k:
+        base.append(low)
+        low += 1
+        if len(base) < k:
+            base.append(high)
+            high -= 1
+    rows = [[(x + r) % k for x in base] for r in range(k)]
+    return rows + [row[::-1] for row in rows] if k % 2 else rows
 
 
 def ratios(num: list[float], den: list[float]) -> tuple[float, float]:
