@@ -86,12 +86,12 @@ class GangMetrics:
             "twinkle_routed_bytes_total",
             description="Bytes of arrays, tensors and bytes in the arguments the workers received.",
             tag_keys=TAG_KEYS)
-        # Noted by calls, recorded by the flusher thread (started at the first note).
+        # Noted by calls, recorded by the flusher thread (idle until a call notes something).
         self._lock = threading.Lock()
         self._calls: dict[str, int] = {}
         self._runs: list[tuple[str, float | None, int, bool]] = []
         self._wake = threading.Event()
-        self._flusher: threading.Thread | None = None
+        threading.Thread(target=self._flush_loop, name="twinkle-metrics", daemon=True).start()
 
     @classmethod
     def create(cls, gang: str, on: bool = True) -> GangMetrics | None:
@@ -125,12 +125,6 @@ class GangMetrics:
 
     def _soon(self) -> None:
         """Have the noted figures recorded within FLUSH_S."""
-        if self._flusher is None:
-            with self._lock:
-                if self._flusher is None:
-                    self._flusher = threading.Thread(target=self._flush_loop,
-                                                     name="twinkle-metrics", daemon=True)
-                    self._flusher.start()
         if not self._wake.is_set():
             self._wake.set()
 

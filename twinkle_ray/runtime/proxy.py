@@ -184,9 +184,8 @@ class GangProxy:
         try:
             with self._turn_lock:  # numbers follow submission order, also across threads
                 turn = (self._caller_id, self._next_turn)
-                prev = None if self._prev is None else self._prev.told()
                 plan, settled = g.dispatcher.call.remote(CallRequest(
-                    name, per_worker, spec.dispatch, execute, caller, wait_meta, (*turn, prev),
+                    name, per_worker, spec.dispatch, execute, caller, wait_meta, (*turn, self._told_prev()),
                     spec.collect if isinstance(spec.collect, str) else "custom", inline,
                 ))
                 self._next_turn += 1  # only a submitted call takes a turn
@@ -202,6 +201,11 @@ class GangProxy:
         if eager:
             return result.get()
         return result
+
+    def _told_prev(self) -> list | str | None:
+        """What this proxy's next call tells the dispatcher of its previous one (see
+        ``_Previous.told``; None: no previous call). The caller holds ``_turn_lock``."""
+        return None if self._prev is None else self._prev.told()
 
     def __iter__(self):
         if not hasattr(self._cls, "__next__"):
@@ -251,7 +255,7 @@ class GangProxy:
         self._check_open()
         g = self._gang
         with self._turn_lock:
-            turn = (self._caller_id, self._next_turn, None if self._prev is None else self._prev.told())
+            turn = (self._caller_id, self._next_turn, self._told_prev())
             ref = g.dispatcher.save_state.remote(path, turn)
             self._next_turn += 1
             self._prev = previous = _Previous(ref)
