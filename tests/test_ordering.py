@@ -150,3 +150,74 @@ def test_save_state_takes_its_place_in_the_call_order(runtime):
     gang.save_state()
     assert gang.note(2)() == [1, "saved", 2]
     gang.close()
+
+
+@pytest.fixture
+def driver_only_class(tmp_path, monkeypatch):
+    """A class importable in this process only (its module is on this process's sys.path, not
+    the gang's): an argument of it pickles here by reference and fails to unpickle there."""
+    (tmp_path / "driver_only_things.py").write_text(
+        "class Thing:\n    def __init__(self, v):\n        self.v = v\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "driver_only_things", raising=False)
+    import driver_only_things
+
+    yield driver_only_things.Thing
+    sys.modules.pop("driver_only_things", None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_threads_sharing_a_proxy_keep_their_order_around_calls_that_never_arrive(
+        runtime, driver_only_class):
+    # Every 5th call of each thread has an argument the dispatcher cannot import: Ray fails it
+    # before it reaches the dispatcher, so it never takes its turn. The calls after it must
+    # neither stall nor overtake the calls the same thread made before it (on the shared proxy
+    # those may still wait for other threads' calls). Before the fix, a thread's call right
+    # after its bad one could run ahead of its own earlier calls.
+    runtime.initialize(groups=[DeviceGroup("ord_lost", 2, "cpu")])
+    gang = Reducer(remote_group="ord_lost")
+    assert gang.reduce(0).get()[0]["sum"] == 0
+    threads_n, calls, rounds = 4, 25, 3
+    errors: list[BaseException] = []
+    for rnd in range(rounds):
+        results: dict[int, list] = {}
+
+        def drive(cid: int, rnd: int, results: dict) -> None:
+            try:
+                kept = []
+                for n in range(calls):
+                    c = code(cid, rnd * 100 + n)
+                    if n % 5 == 2:  # lost: fetched at once, as an eager call would be
+                        with pytest.raises(TypeError, match=(
+                                r"Reducer.reduce\(\) on group 'ord_lost': argument 0 of type "
+                                r"Thing cannot be unpickled in the gang's dispatcher \(.*"
+                                r"driver_only_things.*\): driver_only_things.Thing is importable "
+                                r"here but not in the gang's Ray workers")):
+                            gang.reduce(driver_only_class(c)).get(timeout=30)
+                    elif n % 5 == 3:  # fetched at once (its next call says SETTLED)
+                        kept.append((c, gang.reduce(c).get(timeout=30)))
+                    else:  # in flight while the thread goes on
+                        kept.append((c, gang.reduce(c)))
+                results[cid] = [(c, r if isinstance(r, list) else r.get(timeout=60))
+                                for c, r in kept]
+            except BaseException as e:  # reported by the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=drive, args=(cid, rnd, results))
+                   for cid in range(1, threads_n + 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a driver thread did not finish"
+        if errors:
+            raise errors[0]
+        for cid, got in results.items():
+            seqs = []
+            for c, per_rank in got:
+                assert [r["sum"] for r in per_rank] == [2 * c] * 2, (cid, c, per_rank)
+                assert len({r["seq"] for r in per_rank}) == 1, (cid, c, per_rank)
+                seqs.append(per_rank[0]["seq"])
+            assert seqs == sorted(seqs), f"round {rnd}: thread {cid}'s calls ran out of order: {seqs}"
+    gang.close()

@@ -22,6 +22,7 @@ def _long_turn_wait(monkeypatch):
     # A call that wrongly waits for a predecessor would go ahead after TURN_WAIT_S; make that
     # an hour, so such a wait shows as a hang (HANG_S), not as a pass.
     monkeypatch.setattr(sequencer, "TURN_WAIT_S", 3600.0)
+    monkeypatch.setattr(sequencer, "GAP_GRACE_S", 3600.0)  # likewise for a gap taken as lost
 
 
 async def _take(turns: Sequencer, caller: str, n: int, prev=None, log: list | None = None) -> None:
@@ -44,7 +45,7 @@ def test_each_callers_calls_take_their_turns_in_the_order_made():
     log, stats = asyncio.run(main())
     assert [n for c, n in log if c == "a"] == [0, 1, 2]
     assert [n for c, n in log if c == "b"] == [0, 1]
-    assert stats == {"turns": 2, "turn_waiters": 0}
+    assert stats == {"turns": 2, "turn_waiters": 0, "lost_turns": 0}
 
 
 def test_a_caller_dropped_from_the_table_goes_at_once_when_it_had_the_previous_reply():
@@ -85,3 +86,97 @@ def test_a_call_waits_for_its_predecessor_still_in_its_turn():
         return log
 
     assert asyncio.run(main()) == [0, ("a", 1)]
+
+
+def _lost() -> asyncio.Future:
+    """A previous call's settled ref that failed: Ray could not unpickle that call's arguments
+    in the dispatcher, so it never arrived."""
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_exception(RuntimeError("could not unpickle"))
+    return fut
+
+
+@pytest.mark.parametrize("first", [0, 5], ids=["new-caller", "known-caller"])
+def test_a_call_after_one_that_never_arrived_still_waits_for_the_calls_before_that(first):
+    # Threads sharing a proxy: call `first` (another thread's) still holds the caller's turn,
+    # the next one never arrived, the one after it arrives. Before, that one went at once,
+    # ahead of the call still in its turn.
+    async def main():
+        turns, log = Sequencer("g/C"), []
+        for n in range(first):
+            await _take(turns, "a", n)
+        gate = asyncio.Event()
+
+        async def held_call():
+            async with turns.turn(("a", first, SETTLED)):
+                await gate.wait()
+                log.append(("a", first))
+
+        held = asyncio.ensure_future(held_call())
+        await asyncio.sleep(0)
+        later = asyncio.ensure_future(_take(turns, "a", first + 2, [_lost()], log))
+        await asyncio.sleep(0.1)
+        assert log == [] and not later.done()
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(held, later), HANG_S)
+        return log, turns.stats()
+
+    log, stats = asyncio.run(main())
+    assert log == [("a", first), ("a", first + 2)]
+    assert stats == {"turns": 1, "turn_waiters": 0, "lost_turns": 0}
+
+
+def test_two_lost_calls_in_a_row_stall_nothing_once_the_caller_tells_of_the_first():
+    # Calls 1 and 2 never arrived; call 3 knows of call 2 only (its predecessor's ref). The
+    # caller, fetching call 1's error, tells the dispatcher (skip): call 3 goes at once.
+    async def main():
+        turns, log = Sequencer("g/C"), []
+        await _take(turns, "a", 0)
+        fourth = asyncio.ensure_future(_take(turns, "a", 3, [_lost()], log))
+        await asyncio.sleep(0.05)
+        assert not fourth.done()  # call 1 may still be on its way
+        turns.skip("a", 1)
+        await asyncio.wait_for(fourth, HANG_S)
+        turns.skip("a", 1)  # told twice, or late: nothing changes
+        await asyncio.wait_for(_take(turns, "a", 4, SETTLED, log), HANG_S)
+        return log, turns.stats()
+
+    log, stats = asyncio.run(main())
+    assert log == [("a", 3), ("a", 4)]
+    assert stats == {"turns": 1, "turn_waiters": 0, "lost_turns": 0}
+
+
+def test_a_call_lost_with_the_one_that_knew_of_it_is_skipped_after_the_grace(monkeypatch, caplog):
+    monkeypatch.setattr(sequencer, "GAP_GRACE_S", 0.2)
+
+    async def main():
+        turns, log = Sequencer("g/C"), []
+        await _take(turns, "a", 0)
+        # calls 1 and 2 never arrived and nobody tells: call 3 goes after the grace
+        await asyncio.wait_for(_take(turns, "a", 3, [_lost()], log), HANG_S)
+        return log, turns.stats()
+
+    log, stats = asyncio.run(main())
+    assert log == [("a", 3)] and stats["lost_turns"] == 0
+    assert "call 1 of caller a has not reached the dispatcher" in caplog.text
+
+
+def test_a_call_holding_its_turn_past_the_grace_is_not_taken_as_lost(monkeypatch):
+    monkeypatch.setattr(sequencer, "GAP_GRACE_S", 0.05)
+
+    async def main():
+        turns, log = Sequencer("g/C"), []
+        await _take(turns, "a", 0)
+
+        async def slow_second():
+            async with turns.turn(("a", 1, SETTLED)):
+                await asyncio.sleep(0.4)  # eight graces
+                log.append(("a", 1))
+
+        second = asyncio.ensure_future(slow_second())
+        await asyncio.sleep(0)
+        # call 2 never arrived; call 3 waits for call 1, here and in its turn, however long
+        await asyncio.wait_for(asyncio.gather(second, _take(turns, "a", 3, [_lost()], log)), HANG_S)
+        return log
+
+    assert asyncio.run(main()) == [("a", 1), ("a", 3)]

@@ -259,6 +259,12 @@ class Dispatcher:
         }
 
     # -- calls ---------------------------------------------------------------------------------
+    async def skip_turn(self, caller: str, seq: int) -> None:
+        """Call ``seq`` of ``caller`` never reached this actor (Ray could not unpickle its
+        arguments here; its caller saw that error): that caller's later calls stop waiting for
+        it (:meth:`~twinkle_ray.runtime.sequencer.Sequencer.skip`)."""
+        self.turns.skip(caller, seq)
+
     @ray.method(num_returns=2)
     async def call(self, request: CallRequest) -> tuple[CallOutput, bool]:
         """Take the call's turn, check the gang, plan the call, submit it; return the output refs

@@ -18,6 +18,8 @@ itself (``routed.resolve_routed`` in the worker).
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +40,8 @@ from ..core.balance import in_input_order
 from ..core.dispatch import collect as collect_results
 from .errors import CallTimeoutError, WorkerDiedError, death_cause
 from .inline import unhold
+
+logger = logging.getLogger(__name__)
 
 END_OF_ITERATION = "twinkle_ray:end-of-iteration"
 DEATH_QUERY_TIMEOUT_S = 5.0
@@ -340,12 +344,12 @@ class LazyResult(Pending):
             except RayTaskError as e:
                 if isinstance(e, RaySystemError) or isinstance(e.cause, RaySystemError):
                     # Ray failed the call before it ran: its arguments did not unpickle there
-                    raise _unloadable(self, e) from None
+                    raise self._never_arrived(e) from None
                 raise user_error(e, self.gang, self.method, None, self._on_lost) from None
             except RayActorError as e:
                 raise self.gang.death_error(e, None, self._on_lost) from None
             except RaySystemError as e:
-                raise _unloadable(self, e) from None
+                raise self._never_arrived(e) from None
             if self._replied is not None:
                 self._replied.replied_now()
             left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
@@ -438,6 +442,23 @@ class LazyResult(Pending):
         state = "collected" if self._has_value else "pending"
         return f"LazyResult({self.gang.cls_name}.{self.method} on '{self.gang.group}', {state})"
 
+    def _never_arrived(self, error: BaseException) -> BaseException:
+        """The call failed before it reached its dispatcher (its arguments did not unpickle
+        there): tell the dispatcher, so this caller's later calls, which may have arrived
+        already, do not wait for its turn; and return the TypeError that names the argument."""
+        if self._turn is not None:
+            try:
+                self.gang.dispatcher.skip_turn.remote(*self._turn[:2])
+            except Exception:  # a dead dispatcher: nothing waits there
+                logger.debug("could not tell the dispatcher of a lost call", exc_info=True)
+        settled = getattr(self._replied, "settled", None)
+        if settled is not None:  # failed with the plan: seen here, so Ray does not log it unseen
+            try:
+                ray.get(settled, timeout=0)
+            except Exception:
+                pass
+        return _unloadable(self, error)
+
     def __reduce__(self):
         # Travels as refs + routing facts; never with a fetched value.
         return (
@@ -449,7 +470,8 @@ class LazyResult(Pending):
 
 def _unloadable(result: LazyResult, error: BaseException) -> BaseException:
     """The TypeError for a call whose arguments the dispatcher could not unpickle, naming the
-    argument when a round trip here fails too (else Ray's error, as it came)."""
+    argument when a round trip here fails too, or when the error names a module or class that
+    one of them uses (importable here, not in the gang's processes); else Ray's error, as it came."""
     import cloudpickle
 
     where = f"{result.gang.cls_name}.{result.method}() on group '{result.gang.group}'"
@@ -459,9 +481,50 @@ def _unloadable(result: LazyResult, error: BaseException) -> BaseException:
         except Exception as e:
             return TypeError(f"{where}: {name} of type {type(v).__name__} cannot be unpickled "
                              f"({type(e).__name__}: {e}); the call did not run")
-    first = str(error).strip().splitlines()
+    lines = str(error).strip().splitlines()
+    why = lines[-1][:300] if lines else type(error).__name__
+    missing = _missing_import(str(error))
+    for name, v in result._sent if missing else ():
+        t = next((t for t in _types_in(v) if _defined_in(t, *missing)), None)
+        if t is not None:
+            return TypeError(f"{where}: {name} of type {type(v).__name__} cannot be unpickled in "
+                             f"the gang's dispatcher ({why}): {t.__module__}.{t.__qualname__} is "
+                             f"importable here but not in the gang's Ray workers (ship its module "
+                             f"with runtime_env py_modules or working_dir); the call did not run")
     return TypeError(f"{where}: its arguments could not be unpickled in the gang's dispatcher "
-                     f"({first[-1][:300] if first else type(error).__name__}); the call did not run")
+                     f"({why}); the call did not run")
+
+
+def _missing_import(error: str) -> tuple[str, str | None] | None:
+    """(module, class or None) that an unpickling error says it could not import."""
+    m = re.search(r"No module named '([\w.]+)'", error)
+    if m:
+        return m.group(1), None
+    m = re.search(r"Can't get attribute '([\w.]+)' on <module '([\w.]+)'", error)
+    return (m.group(2), m.group(1)) if m else None
+
+
+def _defined_in(t: type, module: str, name: str | None) -> bool:
+    mod = getattr(t, "__module__", None) or ""
+    if name is not None:
+        return mod == module and t.__qualname__ == name
+    return mod == module or mod.startswith(module + ".")
+
+
+def _types_in(value: Any, depth: int = 2, limit: int = 64) -> list[type]:
+    """The type of ``value`` and of what it holds, two levels down (containers only, their
+    first ``limit`` items): where an unpicklable class may sit in a call's argument."""
+    found = [type(value)]
+    if depth > 0:
+        if isinstance(value, dict):
+            items = [x for kv in list(value.items())[:limit] for x in kv]
+        elif isinstance(value, list | tuple | set | frozenset):
+            items = list(value)[:limit]
+        else:
+            items = list(getattr(value, "__dict__", {}).values())[:limit]
+        for x in items:
+            found += _types_in(x, depth - 1, limit)
+    return found
 
 
 def _rebuild_lazy(plan_ref, collect, gang, method, timeout, out, turn=None):

@@ -35,6 +35,10 @@ TURN_WAIT_S = 60.0  # how long a call waits for its caller's previous call to ar
 # ones are dropped (every unpickled proxy copy is a caller: their number has no bound). See
 # Sequencer.wait for why a dropped caller's next call still comes after its previous one.
 TURN_CALLERS_KEPT = 256
+# Once one of a caller's calls is known never to arrive, how long an earlier one of its calls
+# that has not arrived either is waited for before it is taken as lost too: the call that would
+# have told of it was lost with it. Calls on their way arrive within milliseconds.
+GAP_GRACE_S = 2.0
 # What a call says of its caller's previous call when the caller already had that call's reply:
 # it ended its turn here (so nothing to wait for, and no ref to send: a ref nested in a call's
 # arguments costs both sides Ray's borrowing protocol).
@@ -51,6 +55,10 @@ class Sequencer:
         # (caller id, number) -> future of a call that arrived before its predecessor ended:
         # ending a turn wakes exactly the caller's next call, not every waiting one.
         self._turn_waiters: dict[tuple[str, int], asyncio.Future] = {}
+        # caller id -> numbers at or past its next turn that will never arrive (``skip``)
+        self._lost: dict[str, set[int]] = {}
+        # (caller id, number) of the calls holding their turn now
+        self._in_turn: set[tuple[str, int]] = set()
 
     @contextlib.asynccontextmanager
     async def turn(self, turn: tuple | None) -> AsyncIterator[None]:
@@ -59,17 +67,21 @@ class Sequencer:
 
         ``turn`` is (caller id, number[, [previous call's ref] or SETTLED]): a previous call
         that Ray failed before it reached this actor (its arguments could not be unpickled)
-        never takes its turn; its ref settles, and this call goes ahead at once instead of
-        waiting for it.
+        never takes its turn; its ref settles, and this call goes as soon as the calls before
+        that one have had theirs, instead of waiting for it.
         """
         if turn is None:
             yield
             return
-        await self.wait(turn[0], turn[1], turn[2] if len(turn) > 2 else None)
+        caller, seq = turn[0], turn[1]
+        await self.wait(caller, seq, turn[2] if len(turn) > 2 else None)
+        self._turns.setdefault(caller, seq)  # a new caller's entry: its later calls wait for it
+        self._in_turn.add((caller, seq))
         try:
             yield
         finally:
-            self.end(turn[0], turn[1])
+            self._in_turn.discard((caller, seq))
+            self.end(caller, seq)
 
     async def wait(self, caller: str, seq: int, prev: list | str | None = None) -> None:
         """Wait until call ``seq`` of ``caller`` may go: its previous call ended its turn here.
@@ -81,37 +93,82 @@ class Sequencer:
         previous call still in its turn wakes this one when it ends (``end``). ``prev`` is
         SETTLED when the caller had the previous call's reply, which this actor sends only once
         that call's turn ended: no wait then, with or without an entry.
+
+        A ``prev`` that settles while the caller's entry is still short of ``seq`` never
+        arrived (Ray could not unpickle its arguments here): it is skipped, and this call waits
+        on for the caller's calls before it (other threads' calls may still be on their way).
+        One of those that has not arrived GAP_GRACE_S after that is taken as lost too (the
+        call that knew of it was lost with it), unless its caller says so first (``skip``).
         """
         if self._turns.get(caller, 0) >= seq:  # its turn already (the usual case): no wait
             return
         if prev == SETTLED:  # it ended here before its reply went out (its entry since dropped)
             return
-        fut = self._turn_waiters[(caller, seq)] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = self._turn_waiters[(caller, seq)] = loop.create_future()
         settled = asyncio.ensure_future(quiet(prev[0])) if prev and prev[0] is not None else None
+        give_up = loop.time() + TURN_WAIT_S
+        gap: tuple[int, float] | None = None  # (next number, since when) once a call was lost
         try:
-            done, _ = await asyncio.wait([t for t in (fut, settled) if t is not None],
-                                         timeout=TURN_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
-            if fut in done:
-                return
-            if settled is not None and settled in done and caller not in self._turns:
-                # An entry dropped (TURN_CALLERS_KEPT), or a previous call that never arrived.
-                logger.debug("gang %s: call %d of caller %s: its previous call has settled; "
-                             "going ahead", self.label, seq, caller)
-                return
-            if settled is not None and settled in done and self._turns[caller] < seq:
-                # Settled without taking its turn here: it never arrived. Skip it.
-                logger.warning("gang %s: call %d of caller %s never reached the dispatcher (its "
-                               "arguments could not be unpickled?); call %d goes ahead",
-                               self.label, seq - 1, caller, seq)
-                self._turns[caller] = seq
-                return
-            if not done:
-                logger.warning("gang %s: call %d of caller %s waited %.0fs for its predecessor; "
-                               "going ahead", self.label, seq, caller, TURN_WAIT_S)
+            while True:
+                left = give_up - loop.time()
+                if left <= 0:
+                    logger.warning("gang %s: call %d of caller %s waited %.0fs for its "
+                                   "predecessor; going ahead", self.label, seq, caller, TURN_WAIT_S)
+                    return
+                await asyncio.wait(
+                    [t for t in (fut, settled) if t is not None], return_when=asyncio.FIRST_COMPLETED,
+                    timeout=left if gap is None else min(left, GAP_GRACE_S))
+                if fut.done():
+                    return
+                if settled is not None and settled.done():
+                    settled = None
+                    if caller not in self._turns:
+                        # An entry dropped (TURN_CALLERS_KEPT), or a first call that never arrived.
+                        logger.debug("gang %s: call %d of caller %s: its previous call has "
+                                     "settled; going ahead", self.label, seq, caller)
+                        return
+                    # Settled without taking its turn here: it never arrived.
+                    logger.warning("gang %s: call %d of caller %s never reached the dispatcher "
+                                   "(its arguments could not be unpickled?); skipped", self.label,
+                                   seq - 1, caller)
+                    self.skip(caller, seq - 1)
+                    gap = (self._turns[caller], loop.time())
+                elif gap is not None:
+                    if caller not in self._turns:  # its entry dropped meanwhile (TURN_CALLERS_KEPT)
+                        return
+                    gap = self._lost_in_gap(caller, gap, loop.time())
+                if fut.done():
+                    return
         finally:
             self._turn_waiters.pop((caller, seq), None)
             if settled is not None:
                 settled.cancel()
+
+    def _lost_in_gap(self, caller: str, gap: tuple[int, float], now: float) -> tuple[int, float]:
+        """A waiting call's check of the caller's next number ``gap[0]``, waited for since
+        ``gap[1]`` after a later call was found lost: one that has neither arrived nor moved for
+        GAP_GRACE_S is skipped. Returns the (number, since) to watch next."""
+        nxt = self._turns[caller]
+        if nxt != gap[0] or (caller, nxt) in self._in_turn or (caller, nxt) in self._turn_waiters:
+            return nxt, now  # moved on, or here: wait for it
+        if now - gap[1] < GAP_GRACE_S:
+            return gap
+        logger.warning("gang %s: call %d of caller %s has not reached the dispatcher %.0fs after "
+                       "a later call of it was found lost; taken as lost too", self.label, nxt,
+                       caller, GAP_GRACE_S)
+        self.skip(caller, nxt)
+        return self._turns[caller], now
+
+    def skip(self, caller: str, seq: int) -> None:
+        """Call ``seq`` of ``caller`` will never arrive (Ray failed it before it reached this
+        actor): its turn passes over it. No-op for a number already passed, or a caller without
+        an entry (its calls wait on their predecessor's settled ref instead)."""
+        nxt = self._turns.get(caller)
+        if nxt is None or seq < nxt:
+            return
+        self._lost.setdefault(caller, set()).add(seq)
+        self._pass_to(caller, nxt)
 
     def end(self, caller: str, seq: int) -> None:
         """Call ``seq`` of ``caller`` ended its turn: its next call may go. The caller's entry
@@ -119,12 +176,28 @@ class Sequencer:
         nxt = max(self._turns.pop(caller, 0), seq + 1)
         self._turns[caller] = nxt
         while len(self._turns) > TURN_CALLERS_KEPT:
-            del self._turns[next(iter(self._turns))]
+            dropped = next(iter(self._turns))
+            del self._turns[dropped]
+            self._lost.pop(dropped, None)
+        self._pass_to(caller, nxt)
+
+    def _pass_to(self, caller: str, nxt: int) -> None:
+        """The caller's next turn is ``nxt``, or the first number after it not known lost: set
+        it and wake that call if it waits."""
+        lost = self._lost.get(caller)
+        if lost:
+            while nxt in lost:
+                nxt += 1
+            lost.difference_update([n for n in lost if n < nxt])
+            if not lost:
+                del self._lost[caller]
+        self._turns[caller] = nxt
         fut = self._turn_waiters.get((caller, nxt))
         if fut is not None and not fut.done():
             fut.set_result(None)
 
     def stats(self) -> dict[str, int]:
-        """Sizes of its tables: caller turns, and calls waiting for their turn."""
-        return {"turns": len(self._turns), "turn_waiters": len(self._turn_waiters)}
-
+        """Sizes of its tables: caller turns, calls waiting for their turn, and numbers known
+        lost that a caller's turn has not passed yet."""
+        return {"turns": len(self._turns), "turn_waiters": len(self._turn_waiters),
+                "lost_turns": sum(map(len, self._lost.values()))}
