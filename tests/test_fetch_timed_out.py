@@ -97,3 +97,36 @@ def test_a_death_a_rank_raised_outranks_an_earlier_ranks_timeout_and_user_error(
                                    refs[1]: RayTaskError("run", "traceback", died).as_instanceof_cause()})
         with pytest.raises(WorkerDiedError, match="rank 3 of Producer in group 'producer' died"):
             fetch(refs, [0, 1], GANG, "forward", None)
+
+
+def _bundled_reply(n: int = 2):
+    """A large gang's reply: its output refs as one bundle the dispatcher owns (``packed``)."""
+    from twinkle_ray.runtime.lazy import CallOutput
+
+    bundle = ray.put(([ray.put(k) for k in range(n)], [None] * n))
+    return ray.put(CallOutput(refs=[], metas=[], workers=list(range(n)), bundle=bundle)), bundle
+
+
+def test_a_callers_fetch_of_the_output_refs_raises_it_not_a_death(ray_session, monkeypatch):
+    # The caller fetches a large gang's output refs (the bundle) when it first needs them; Ray
+    # not finding a copy in time used to be read as the dispatcher's death (ObjectLostError).
+    from twinkle_ray.runtime.lazy import LazyResult
+
+    plan, bundle = _bundled_reply()
+    _failing_get(monkeypatch, {bundle: ObjectFetchTimedOutError(bundle.hex(), None, "")})
+    result = LazyResult(plan, collect="none", gang=GANG, method="forward")
+    with pytest.raises(ObjectFetchTimedOutError) as info:
+        result.plan()
+    assert ("while fetching the refs of the outputs of Model.forward() on group 'trainer': Ray "
+            "found no copy of it in time (no worker death is known)") in info.value.__notes__
+
+
+def test_a_consumers_fetch_of_the_producers_output_refs_raises_it_not_a_death(ray_session, monkeypatch):
+    from twinkle_ray.runtime.routed import Pieces
+
+    plan, bundle = _bundled_reply()
+    _failing_get(monkeypatch, {bundle: ObjectFetchTimedOutError(bundle.hex(), None, "")})
+    marker = Pieces(refs=None, as_list=True, producer=GANG, method="forward", refs_ref=plan, n_refs=2)
+    with pytest.raises(ObjectFetchTimedOutError) as info:
+        marker.materialize()
+    assert any("the refs of the outputs of Model.forward()" in n for n in info.value.__notes__)

@@ -239,13 +239,18 @@ def _read_quietly(refs: list) -> None:
             pass
 
 
+# what fetch_timed_out names when it was a call's output refs (held by its dispatcher) not found
+OUTPUT_REFS = "the refs of the outputs"
+
+
 def fetch_timed_out(e: ObjectFetchTimedOutError, gang: GangRef, method: str,
-                    rank: int | None) -> ObjectFetchTimedOutError:
+                    rank: int | None, what: str = "the output") -> ObjectFetchTimedOutError:
     """Ray's ObjectFetchTimedOutError for an output of ``gang``'s ``method`` (no copy found within
-    Ray's ``fetch_fail_timeout_milliseconds``), with a note naming it. Not a WorkerDiedError: no
-    death is known, and the gang is not torn down for it."""
+    Ray's ``fetch_fail_timeout_milliseconds``), or for the refs of its outputs (``what``), with a
+    note naming it. Not a WorkerDiedError: no death is known, and the gang is not torn down for
+    it."""
     where = f"rank {rank} of " if rank is not None else ""
-    e.add_note(f"while fetching the output of {gang.cls_name}.{method}() on {where}group "
+    e.add_note(f"while fetching {what} of {gang.cls_name}.{method}() on {where}group "
                f"'{gang.group}': Ray found no copy of it in time (no worker death is known)")
     return e
 
@@ -350,6 +355,8 @@ class LazyResult(Pending):
                 raise self.gang.death_error(e, None, self._on_lost) from None
             except RaySystemError as e:
                 raise self._never_arrived(e) from None
+            except ObjectFetchTimedOutError as e:  # Ray found no copy in time: not a death
+                raise fetch_timed_out(e, self.gang, self.method, None, "the reply") from None
             if self._replied is not None:
                 self._replied.replied_now()
             left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
@@ -359,6 +366,8 @@ class LazyResult(Pending):
                 raise CallTimeoutError(
                     f"{where}: submitted, but the refs of its outputs (held by the gang's "
                     f"dispatcher) did not arrive within {timeout:g}s", []) from None
+            except ObjectFetchTimedOutError as e:  # Ray found no copy in time: not a death
+                raise fetch_timed_out(e, self.gang, self.method, None, OUTPUT_REFS) from None
             except ObjectLostError as e:  # its dispatcher (the bundle's owner) died
                 raise self.gang.death_error(e, None, self._on_lost) from None
         return self._out

@@ -24,7 +24,7 @@ from ..core.balance import join_items, locate_positions, take_items, total_items
 from ..core.dispatch import batch_len, collect_sources, concat, span, take
 from ..core.dispatch import collect as collect_results
 from ..core.routing import length_record, locate, plain_length, tuple_arity
-from .lazy import GangRef, LazyResult, fetch_timed_out, user_error
+from .lazy import OUTPUT_REFS, GangRef, LazyResult, fetch_timed_out, user_error
 
 
 @dataclass
@@ -162,6 +162,8 @@ class Pieces:
         if fetch_ks and self.refs is None:
             try:
                 self.refs = list(ray.get(self.refs_ref).unpacked().refs)[:self.n_refs]
+            except ObjectFetchTimedOutError as e:  # Ray found no copy in time: not a death
+                raise fetch_timed_out(e, self.producer, self.method, None, OUTPUT_REFS) from None
             except RayError as e:  # aligned markers name their producer
                 raise self.producer.plan_lost(e, self.method) from None
         got = dict(zip(fetch_ks, pull([self.refs[k] for k in fetch_ks], self.producer, self.method,
