@@ -130,3 +130,20 @@ def test_a_consumers_fetch_of_the_producers_output_refs_raises_it_not_a_death(ra
     with pytest.raises(ObjectFetchTimedOutError) as info:
         marker.materialize()
     assert any("the refs of the outputs of Model.forward()" in n for n in info.value.__notes__)
+
+
+def test_a_consumers_fetch_names_a_producer_death_over_an_earlier_ranks_error(ray_session, monkeypatch):
+    # As for a caller's get: a dead producer worker explains its peers' errors. pull used to
+    # raise the first failing rank's error in rank order.
+    from ray.exceptions import RayActorError, RayTaskError
+
+    from twinkle_ray.runtime.errors import WorkerDiedError
+
+    refs = [ray.put([k]) for k in range(2)]
+    _failing_get(monkeypatch, {
+        refs[0]: RayTaskError("run", "traceback", RuntimeError("gloo: peer closed")).as_instanceof_cause(),
+        refs[1]: RayActorError("a2", "The actor is dead because it was killed."),
+    })
+    with pytest.raises(WorkerDiedError, match="rank 5") as info:
+        pull(refs, GANG, "forward", [4, 5])
+    assert "while fetching an output of Model.forward() on group 'trainer' as an input" in info.value.__notes__

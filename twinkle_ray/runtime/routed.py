@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import ObjectFetchTimedOutError, RayError, RayTaskError
+from ray.exceptions import ObjectFetchTimedOutError, RayError
 
 from ..core.balance import join_items, locate_positions, take_items, total_items
 from ..core.dispatch import batch_len, collect_sources, concat, span, take
 from ..core.dispatch import collect as collect_results
 from ..core.routing import length_record, locate, plain_length, tuple_arity
-from .lazy import OUTPUT_REFS, GangRef, LazyResult, fetch_timed_out, user_error
+from .errors import WorkerDiedError
+from .lazy import OUTPUT_REFS, GangRef, LazyResult, fetch, fetch_timed_out
 
 
 @dataclass
@@ -251,28 +252,23 @@ class Placed:
 def pull(refs: list, producer: GangRef | None, method: str, ranks: list) -> list:
     """The values of a producer's outputs in a consumer; a failed producer is named, not hidden.
 
-    One ``ray.get`` of the refs. A producer worker that died makes this raise
-    the producer gang's WorkerDiedError (group, class, rank); a producer's own
-    exception is re-raised as itself with a note naming the producer.
+    One ``ray.get`` of the refs. On a failure, the caller's rules
+    (:func:`~twinkle_ray.runtime.lazy.fetch`): a producer worker that died
+    anywhere makes this raise the producer gang's WorkerDiedError (group,
+    class, rank), whatever another rank raised; else a producer's own exception
+    is re-raised as itself with a note naming the producer.
     """
     try:
         return ray.get(refs)
     except RayError:
         if producer is None:
             raise
-    for ref, rank in zip(refs, ranks, strict=True):
-        try:
-            ray.get(ref)
-        except RayTaskError as e:
-            raise user_error(e, producer, method, rank) from None
-        except ObjectFetchTimedOutError as e:  # Ray found no copy in time: not a death
-            raise fetch_timed_out(e, producer, method, rank) from None
-        except RayError as e:
-            err = producer.death_error(e, rank)
-            err.add_note(f"while fetching the output of {producer.cls_name}.{method}() (rank {rank} "
-                         f"of group '{producer.group}') as an input")
-            raise err from None
-    return ray.get(refs)
+    try:
+        return fetch(refs, ranks, producer, method, None)
+    except WorkerDiedError as err:
+        err.add_note(f"while fetching an output of {producer.cls_name}.{method}() on group "
+                     f"'{producer.group}' as an input")
+        raise
 
 
 def resolve_routed(value: Any, lengths: tuple = ()) -> Any:
