@@ -22,16 +22,20 @@ A call reaches a worker as one actor task carrying five fields:
 
 It travels flattened, so that Ray resolves the ``lead`` refs as top-level
 task arguments before the task runs (the transfer is Ray's, as with raw
-direct ref passing)::
+direct ref passing), behind one string head ``'method/seq/len(lead)'``::
 
-    worker.run.remote((method, seq, len(lead)), *lead, *args, **kwargs)
+    worker.run.remote(f"{method}/{seq}/{len(lead)}", *lead, *args, **kwargs)
+
+Ray carries a str argument far cheaper than a tuple or an int (measured on 32
+tasks: a tuple head cost ~0.4 ms per task more than a str; BENCHMARKS.md,
+eighth session), and a method name holds no ``/``.
 
 Example::
 
     >>> call = WorkerCall("forward", 7, (), ([1, 2],), {})
     >>> call.task_args()
-    (('forward', 7, 0), [1, 2])
-    >>> WorkerCall.from_task(("forward", 7, 0), ([1, 2],), {}) == call
+    ('forward/7/0', [1, 2])
+    >>> WorkerCall.from_task("forward/7/0", ([1, 2],), {}) == call
     True
 """
 
@@ -73,16 +77,19 @@ class WorkerCall:
 
     def task_args(self) -> tuple:
         """The positional arguments of the task form: ``(head, *lead, *args)``; kwargs travel as
-        keyword arguments."""
-        return ((self.method, self.seq, len(self.lead)), *self.lead, *self.args)
+        keyword arguments. The head is ``'method/seq/len(lead)'`` (one str: see above)."""
+        return (f"{self.method}/{self.seq}/{len(self.lead)}", *self.lead, *self.args)
 
     @classmethod
-    def from_task(cls, head: str | tuple, args: tuple, kwargs: dict) -> WorkerCall:
+    def from_task(cls, head: str, args: tuple, kwargs: dict) -> WorkerCall:
         """Rebuild the message from a task's arguments; ``head`` may be a bare method name
         (no sequence number, no leading values)."""
-        if isinstance(head, str):
+        method, sep, rest = head.partition("/")
+        if not sep:
             return cls(head, None, (), tuple(args), dict(kwargs))
-        method, seq, n = head
-        return cls(method, seq, tuple(args[:n]), tuple(args[n:]), dict(kwargs))
+        seq, n = rest.split("/")
+        n = int(n)
+        return cls(method, None if seq == "None" else int(seq), tuple(args[:n]), tuple(args[n:]),
+                   dict(kwargs))
 
 

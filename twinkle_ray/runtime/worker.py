@@ -175,11 +175,11 @@ class GangWorker:
         )
         return backend
 
-    def run(self, call: str | tuple, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    def run(self, call: str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """The task form of a call (see :mod:`~twinkle_ray.runtime.message`); returns
         (result, meta).
 
-        ``call`` is the method name, or the head (name, sequence number, n) of a
+        ``call`` is the method name, or the head ``'name/seq/n'`` of a
         :class:`~twinkle_ray.runtime.message.WorkerCall`: the first n positional
         arguments are then its leading values (resolved by Ray before this task
         ran). meta is the result's batch length (used to route it lazily), None
@@ -187,7 +187,7 @@ class GangWorker:
         """
         return self._execute(WorkerCall.from_task(call, args, kwargs))
 
-    def run_balanced(self, call: tuple, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    def run_balanced(self, call: str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """The task form of a ``dispatch='balance'`` call: this rank's loop over the chunks the
         dispatcher hands its data-parallel group (:func:`~twinkle_ray.runtime.balance.run_chunks`);
         returns (its results concatenated, its positions record)."""
@@ -230,11 +230,11 @@ class GangWorker:
             return None, None
         return result, _meta(result)
 
-    def run_value(self, call: str | tuple, *args: Any, **kwargs: Any) -> Any:
+    def run_value(self, call: str, *args: Any, **kwargs: Any) -> Any:
         """``run`` without the length record: for calls whose outputs are never sliced by length."""
         return self.run(call, *args, **kwargs)[0]
 
-    def run_inline(self, call: str | tuple, *args: Any, **kwargs: Any) -> Any:
+    def run_inline(self, call: str, *args: Any, **kwargs: Any) -> Any:
         """``run_value`` for an eager call: a result that is not certainly small plain data
         stays in this worker's object store (:func:`~twinkle_ray.runtime.inline.hold_unless_small`),
         so the dispatcher, which replies with the values, never holds payload."""
