@@ -152,13 +152,14 @@ def test_a_call_lost_with_the_one_that_knew_of_it_is_skipped_after_the_grace(mon
     async def main():
         turns, log = Sequencer("g/C"), []
         await _take(turns, "a", 0)
-        # calls 1 and 2 never arrived and nobody tells: call 3 goes after the grace
-        await asyncio.wait_for(_take(turns, "a", 3, [_lost()], log), HANG_S)
+        # calls 1 to 5 never arrived and nobody tells (lazy calls never fetched): call 6 knows
+        # of call 5 only; after one grace, all the others are taken as lost at once
+        await asyncio.wait_for(_take(turns, "a", 6, [_lost()], log), HANG_S)
         return log, turns.stats()
 
     log, stats = asyncio.run(main())
-    assert log == [("a", 3)] and stats["lost_turns"] == 0
-    assert "call 1 of caller a has not reached the dispatcher" in caplog.text
+    assert log == [("a", 6)] and stats["lost_turns"] == 0
+    assert "call(s) [1, 2, 3, 4] of caller a have not reached the dispatcher" in caplog.text
 
 
 def test_a_call_holding_its_turn_past_the_grace_is_not_taken_as_lost(monkeypatch):
@@ -177,6 +178,62 @@ def test_a_call_holding_its_turn_past_the_grace_is_not_taken_as_lost(monkeypatch
         await asyncio.sleep(0)
         # call 2 never arrived; call 3 waits for call 1, here and in its turn, however long
         await asyncio.wait_for(asyncio.gather(second, _take(turns, "a", 3, [_lost()], log)), HANG_S)
+        return log
+
+    assert asyncio.run(main()) == [("a", 1), ("a", 3)]
+
+
+def test_a_call_passed_over_goes_when_its_turn_is_passed_not_after_its_own_wait(monkeypatch):
+    # Call 2 waits behind call 1, still in its turn; call 3 has gone ahead (it waited its
+    # TURN_WAIT_S) and ends, so the caller's turn jumps past 2. Call 2 goes then: it used to
+    # wait its own TURN_WAIT_S, taking later calls that had not arrived yet as lost.
+    async def main():
+        turns, log = Sequencer("g/C"), []
+        await _take(turns, "a", 0)
+        gate = asyncio.Event()
+
+        async def held_call():
+            async with turns.turn(("a", 1, SETTLED)):
+                await gate.wait()
+
+        held = asyncio.ensure_future(held_call())
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(_take(turns, "a", 2, [None], log))
+        await asyncio.sleep(0.05)
+        async with turns.turn(("a", 3, SETTLED)):  # as if it went ahead after TURN_WAIT_S
+            pass
+        await asyncio.wait_for(second, HANG_S)
+        gate.set()
+        await held
+        return log, turns.stats()
+
+    log, stats = asyncio.run(main())
+    assert log == [("a", 2)]
+    assert stats == {"turns": 1, "turn_waiters": 0, "lost_turns": 0}
+
+
+def test_a_full_table_keeps_the_entry_of_a_caller_with_a_call_here(monkeypatch):
+    monkeypatch.setattr(sequencer, "TURN_CALLERS_KEPT", 2)
+
+    async def main():
+        turns, log = Sequencer("g/C"), []
+        await _take(turns, "a", 0)
+        gate = asyncio.Event()
+
+        async def held_call():
+            async with turns.turn(("a", 1, SETTLED)):
+                await gate.wait()
+                log.append(("a", 1))
+
+        held = asyncio.ensure_future(held_call())
+        await asyncio.sleep(0)
+        later = asyncio.ensure_future(_take(turns, "a", 3, [_lost()], log))  # call 2 lost
+        for other in ("x", "y", "z"):  # other callers' turns fill the table
+            await _take(turns, other, 0)
+        await asyncio.sleep(0.05)
+        assert log == [] and not later.done()  # 'a' kept its entry: call 3 waits for call 1
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(held, later), HANG_S)
         return log
 
     assert asyncio.run(main()) == [("a", 1), ("a", 3)]

@@ -24,7 +24,6 @@ from ..core.balance import join_items, locate_positions, take_items, total_items
 from ..core.dispatch import batch_len, collect_sources, concat, span, take
 from ..core.dispatch import collect as collect_results
 from ..core.routing import length_record, locate, plain_length, tuple_arity
-from .errors import WorkerDiedError
 from .lazy import OUTPUT_REFS, GangRef, LazyResult, fetch, fetch_timed_out
 
 
@@ -265,7 +264,7 @@ def pull(refs: list, producer: GangRef | None, method: str, ranks: list) -> list
             raise
     try:
         return fetch(refs, ranks, producer, method, None)
-    except WorkerDiedError as err:
+    except Exception as err:  # a death, the producer's own error, or Ray's (e.g. unpickling)
         err.add_note(f"while fetching an output of {producer.cls_name}.{method}() on group "
                      f"'{producer.group}' as an input")
         raise

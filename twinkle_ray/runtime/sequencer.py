@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import AsyncIterator
 
@@ -119,7 +120,7 @@ class Sequencer:
                 await asyncio.wait(
                     [t for t in (fut, settled) if t is not None], return_when=asyncio.FIRST_COMPLETED,
                     timeout=left if gap is None else min(left, GAP_GRACE_S))
-                if fut.done():
+                if fut.done() or self._turns.get(caller, -1) >= seq:  # its turn (or passed over)
                     return
                 if settled is not None and settled.done():
                     settled = None
@@ -132,58 +133,78 @@ class Sequencer:
                     logger.warning("gang %s: call %d of caller %s never reached the dispatcher "
                                    "(its arguments could not be unpickled?); skipped", self.label,
                                    seq - 1, caller)
-                    self.skip(caller, seq - 1)
+                    self._mark_lost(caller, [seq - 1])
                     gap = (self._turns[caller], loop.time())
                 elif gap is not None:
                     if caller not in self._turns:  # its entry dropped meanwhile (TURN_CALLERS_KEPT)
                         return
-                    gap = self._lost_in_gap(caller, gap, loop.time())
-                if fut.done():
+                    gap = self._lost_in_gap(caller, seq, gap, loop.time())
+                if fut.done() or self._turns.get(caller, -1) >= seq:
                     return
         finally:
             self._turn_waiters.pop((caller, seq), None)
             if settled is not None:
                 settled.cancel()
 
-    def _lost_in_gap(self, caller: str, gap: tuple[int, float], now: float) -> tuple[int, float]:
-        """A waiting call's check of the caller's next number ``gap[0]``, waited for since
-        ``gap[1]`` after a later call was found lost: one that has neither arrived nor moved for
-        GAP_GRACE_S is skipped. Returns the (number, since) to watch next."""
+    def _here(self, caller: str, seq: int) -> bool:
+        """Whether call ``seq`` of ``caller`` has arrived: in its turn, or waiting for it."""
+        return (caller, seq) in self._in_turn or (caller, seq) in self._turn_waiters
+
+    def _lost_in_gap(self, caller: str, seq: int, gap: tuple[int, float],
+                     now: float) -> tuple[int, float]:
+        """Call ``seq``'s check of its caller's next number ``gap[0]``, waited for since
+        ``gap[1]`` after a later call was found lost. When it has neither arrived nor moved for
+        GAP_GRACE_S, every number before ``seq`` that has not arrived either is taken as lost,
+        at once (those that have go in order). Returns the (number, since) to watch next."""
         nxt = self._turns[caller]
-        if nxt != gap[0] or (caller, nxt) in self._in_turn or (caller, nxt) in self._turn_waiters:
+        if nxt != gap[0] or self._here(caller, nxt):
             return nxt, now  # moved on, or here: wait for it
         if now - gap[1] < GAP_GRACE_S:
             return gap
-        logger.warning("gang %s: call %d of caller %s has not reached the dispatcher %.0fs after "
-                       "a later call of it was found lost; taken as lost too", self.label, nxt,
+        known = self._lost.get(caller, ())
+        missing = [n for n in range(nxt, seq) if n not in known and not self._here(caller, n)]
+        logger.warning("gang %s: call(s) %s of caller %s have not reached the dispatcher %gs "
+                       "after a later call of it was found lost; taken as lost too", self.label,
+                       missing if len(missing) <= 8 else f"{missing[:8]}... ({len(missing)})",
                        caller, GAP_GRACE_S)
-        self.skip(caller, nxt)
+        self._mark_lost(caller, missing)
         return self._turns[caller], now
 
     def skip(self, caller: str, seq: int) -> None:
         """Call ``seq`` of ``caller`` will never arrive (Ray failed it before it reached this
         actor): its turn passes over it. No-op for a number already passed, or a caller without
         an entry (its calls wait on their predecessor's settled ref instead)."""
+        self._mark_lost(caller, [seq])
+
+    def _mark_lost(self, caller: str, seqs: list[int]) -> None:
         nxt = self._turns.get(caller)
-        if nxt is None or seq < nxt:
+        if nxt is None:
             return
-        self._lost.setdefault(caller, set()).add(seq)
-        self._pass_to(caller, nxt)
+        seqs = [n for n in seqs if n >= nxt]
+        if seqs:
+            self._lost.setdefault(caller, set()).update(seqs)
+            self._pass_to(caller, nxt, nxt)
 
     def end(self, caller: str, seq: int) -> None:
         """Call ``seq`` of ``caller`` ended its turn: its next call may go. The caller's entry
-        moves to the end of the table; the oldest beyond TURN_CALLERS_KEPT are dropped."""
-        nxt = max(self._turns.pop(caller, 0), seq + 1)
+        moves to the end of the table; the oldest beyond TURN_CALLERS_KEPT are dropped, except
+        callers with a call here (in its turn or waiting for it)."""
+        old = self._turns.pop(caller, None)
+        nxt = max(old or 0, seq + 1)
         self._turns[caller] = nxt
-        while len(self._turns) > TURN_CALLERS_KEPT:
-            dropped = next(iter(self._turns))
-            del self._turns[dropped]
-            self._lost.pop(dropped, None)
-        self._pass_to(caller, nxt)
+        excess = len(self._turns) - TURN_CALLERS_KEPT
+        if excess > 0:
+            here = {c for c, _ in self._in_turn} | {c for c, _ in self._turn_waiters} | {caller}
+            for dropped in list(itertools.islice((c for c in self._turns if c not in here), excess)):
+                del self._turns[dropped]
+                self._lost.pop(dropped, None)
+        self._pass_to(caller, nxt, old)
 
-    def _pass_to(self, caller: str, nxt: int) -> None:
-        """The caller's next turn is ``nxt``, or the first number after it not known lost: set
-        it and wake that call if it waits."""
+    def _pass_to(self, caller: str, nxt: int, old: int | None) -> None:
+        """The caller's next turn is ``nxt``, or the first number after it not known lost
+        (``old``: its number before; None: it had no entry). Set it and wake that call if it
+        waits, and any of the caller's calls it passed over (overtaken by one that waited
+        TURN_WAIT_S: they go now rather than wait that long too)."""
         lost = self._lost.get(caller)
         if lost:
             while nxt in lost:
@@ -192,9 +213,13 @@ class Sequencer:
             if not lost:
                 del self._lost[caller]
         self._turns[caller] = nxt
-        fut = self._turn_waiters.get((caller, nxt))
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+        if old is not None and old >= nxt - 1:  # the usual step: only the next call can wait
+            woken = [self._turn_waiters.get((caller, nxt))]
+        else:
+            woken = [f for (c, n), f in self._turn_waiters.items() if c == caller and n <= nxt]
+        for fut in woken:
+            if fut is not None and not fut.done():
+                fut.set_result(None)
 
     def stats(self) -> dict[str, int]:
         """Sizes of its tables: caller turns, calls waiting for their turn, and numbers known
