@@ -12,9 +12,13 @@ rounds in balanced orders (:func:`bench.timing.compare_many`), medians printed:
 - **gets**: an async actor fans a no-op out to N plain actors and awaits the N
   results on its event loop (``asyncio.gather``) or with one ``ray.get`` in a
   helper thread (what ``aio.ThreadedGets`` does), N = 4 and 32, beside the
-  driver doing the fan-out itself (raw Ray).
+  driver doing the fan-out itself (raw Ray);
+- **heads**: the same actor fans 32 tasks out whose one argument is the call's
+  head, as a tuple ``('noop', seq, 0)`` (what worker tasks carried before the
+  eighth session), as one str ``'noop/seq/0'`` (what they carry now), as a bare
+  str, and as an int; each round awaits the 32 results with one ``ray.get``.
 
-BENCHMARKS.md (seventh session) has a run's figures.
+BENCHMARKS.md (seventh and eighth sessions) has runs' figures.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ FIELDS = ("noop", [((), {})], "all", "all", None, False, ("caller", 1, None), "n
 @ray.remote(num_cpus=0)
 class Plain:
     def noop(self) -> None:
+        return None
+
+    def run(self, head) -> None:
         return None
 
 
@@ -58,6 +65,12 @@ class Probe:
 
     async def one_get(self, n: int) -> list:
         refs = [a.noop.remote() for a in self.actors[:n]]
+        return await asyncio.get_running_loop().run_in_executor(self.pool, ray.get, refs)
+
+    async def heads(self, kind: str, seq: int) -> list:
+        head = {"tuple": ("noop", seq, 0), "str": f"noop/{seq}/0", "bare str": "noop",
+                "int": seq}[kind]
+        refs = [a.run.remote(head) for a in self.actors]
         return await asyncio.get_running_loop().run_in_executor(self.pool, ray.get, refs)
 
 
@@ -94,6 +107,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"an actor awaiting {n} no-op results (ms):")
             for k, v in gets_ms.items():
                 print(f"  {k:28} {v:7.3f}")
+        heads_ms = _medians(compare_many({
+            kind: lambda kind=kind: ray.get(probe.heads.remote(kind, 7))
+            for kind in ("tuple", "str", "bare str", "int")
+        }, repeats=max(args.rounds // 5, 10), warmup=3))
+        print("an actor's 32 tasks, by the head each carries (ms per round):")
+        for k, v in heads_ms.items():
+            print(f"  {k:28} {v:7.3f}")
     finally:
         ray.shutdown()
 
