@@ -25,8 +25,12 @@ def _long_turn_wait(monkeypatch):
     monkeypatch.setattr(sequencer, "GAP_GRACE_S", 3600.0)  # likewise for a gap taken as lost
 
 
-async def _take(turns: Sequencer, caller: str, n: int, prev=None, log: list | None = None) -> None:
+async def _take(turns: Sequencer, caller: str, n: int, prev=None, log: list | None = None,
+                gate: asyncio.Event | None = None) -> None:
+    """Call ``n`` of ``caller``: in its turn, wait for ``gate`` (if given), then note itself."""
     async with turns.turn((caller, n, prev)):
+        if gate is not None:
+            await gate.wait()
         if log is not None:
             log.append((caller, n))
         await asyncio.sleep(0)
@@ -107,12 +111,7 @@ def test_a_call_after_one_that_never_arrived_still_waits_for_the_calls_before_th
             await _take(turns, "a", n)
         gate = asyncio.Event()
 
-        async def held_call():
-            async with turns.turn(("a", first, SETTLED)):
-                await gate.wait()
-                log.append(("a", first))
-
-        held = asyncio.ensure_future(held_call())
+        held = asyncio.ensure_future(_take(turns, "a", first, SETTLED, log, gate))
         await asyncio.sleep(0)
         later = asyncio.ensure_future(_take(turns, "a", first + 2, [_lost()], log))
         await asyncio.sleep(0.1)
@@ -192,11 +191,7 @@ def test_a_call_passed_over_goes_when_its_turn_is_passed_not_after_its_own_wait(
         await _take(turns, "a", 0)
         gate = asyncio.Event()
 
-        async def held_call():
-            async with turns.turn(("a", 1, SETTLED)):
-                await gate.wait()
-
-        held = asyncio.ensure_future(held_call())
+        held = asyncio.ensure_future(_take(turns, "a", 1, SETTLED, gate=gate))
         await asyncio.sleep(0)
         second = asyncio.ensure_future(_take(turns, "a", 2, [None], log))
         await asyncio.sleep(0.05)
@@ -220,12 +215,7 @@ def test_a_full_table_keeps_the_entry_of_a_caller_with_a_call_here(monkeypatch):
         await _take(turns, "a", 0)
         gate = asyncio.Event()
 
-        async def held_call():
-            async with turns.turn(("a", 1, SETTLED)):
-                await gate.wait()
-                log.append(("a", 1))
-
-        held = asyncio.ensure_future(held_call())
+        held = asyncio.ensure_future(_take(turns, "a", 1, SETTLED, log, gate))
         await asyncio.sleep(0)
         later = asyncio.ensure_future(_take(turns, "a", 3, [_lost()], log))  # call 2 lost
         for other in ("x", "y", "z"):  # other callers' turns fill the table

@@ -462,10 +462,7 @@ class LazyResult(Pending):
                 logger.debug("could not tell the dispatcher of a lost call", exc_info=True)
         settled = getattr(self._replied, "settled", None)
         if settled is not None:  # failed with the plan: seen here, so Ray does not log it unseen
-            try:
-                ray.get(settled, timeout=0)
-            except Exception:
-                pass
+            _read_quietly([settled])
         return _unloadable(self, error)
 
     def __reduce__(self):
