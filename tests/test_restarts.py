@@ -300,3 +300,50 @@ def test_killed_dispatcher_without_max_restarts_keeps_a_clear_error(runtime):
     assert err.kind == "dispatcher" and "the dispatcher of Mortal in group 'dm' died" in str(err)
     with pytest.raises(WorkerDiedError, match="dispatcher of Mortal in group 'dm' died"):
         g.get_value()()
+
+
+def test_a_call_made_while_another_thread_replaces_the_dispatcher_goes_to_the_new_one(runtime,
+                                                                                     monkeypatch):
+    """A proxy shared by threads: one thread's call is being prepared (split, put) when another
+    thread replaces the gang's dead dispatcher. The call goes to the new dispatcher, numbered
+    in the new turn, not to the dead one (before: a spurious 'dispatcher died' for a call made
+    after the recovery)."""
+    import ray
+
+    from twinkle_ray.runtime import proxy as proxy_module
+
+    @ray.remote(num_cpus=0)
+    class NewDispatcher:
+        """Stands in for the dispatcher the other thread's respawn made: notes each call."""
+
+        def __init__(self):
+            self.calls = []
+
+        @ray.method(num_returns=2)
+        def call(self, request):
+            self.calls.append((request.method, tuple(request.turn[:2])))
+            return None, True
+
+        def seen(self) -> list:
+            return self.calls
+
+    runtime.initialize(groups=[DeviceGroup("dr", 1, "cpu")])
+    g = Mortal(remote_group="dr")
+    old = (g._gang.dispatcher, g._desc)
+    new = NewDispatcher.remote()
+    put_large = proxy_module.put_large
+
+    def put_then_replace(per_worker):  # the other thread's respawn lands during this call's
+        if g._gang.dispatcher is old[0]:  # preparation, before it takes its turn
+            g._use_dispatcher(new, old[1])
+        return put_large(per_worker)
+
+    monkeypatch.setattr(proxy_module, "put_large", put_then_replace)
+    try:
+        result = g.set_value(7)
+        assert ray.get(new.seen.remote(), timeout=30) == [("set_value", (g._caller_id, 0))]
+        assert result.gang is g._gang
+    finally:
+        monkeypatch.undo()
+        g._use_dispatcher(*old)
+        ray.kill(new)

@@ -163,18 +163,7 @@ class GangProxy:
         if self._lost:
             self._rebuild_dispatcher()
         g = self._gang
-        if spec.dispatch == "balance":  # chunks handed out while the call runs (runtime.balance)
-            per_worker = balance.split(name, spec, g, self._execute, args, kwargs, _nbytes)
-        elif spec.execute == "first" or spec.dispatch == "all" or self._execute == "first":
-            per_worker = [(args, kwargs)]
-        else:
-            per_worker = split_args(
-                spec.dispatch, g.n_workers, args, kwargs, device_mesh=g.mesh,
-                gpus_per_worker=g.gpus_per_worker, method=name, group=g.group,
-            )
-            if all(pw is per_worker[0] for pw in per_worker):  # nothing sliced: one entry for
-                per_worker = per_worker[:1]  # all, so the call costs the same at any gang size
-        per_worker = strip_own_gang(put_large(per_worker), g)
+        per_worker = self._per_worker(g, name, spec, args, kwargs)
         execute = "first" if self._execute == "first" else spec.execute
         caller = _caller() if execute == "peer" else None
         eager = spec.sync or not (self._lazy_default if spec.lazy_collect is None else spec.lazy_collect)
@@ -183,6 +172,9 @@ class GangProxy:
         inline = eager and spec.timeout is None and not wait_meta and spec.dispatch != "balance"
         try:
             with self._turn_lock:  # numbers follow submission order, also across threads
+                if self._gang is not g:  # another thread replaced the dead dispatcher meanwhile:
+                    g = self._gang  # this call goes to the new one (rare: prepared again here)
+                    per_worker = self._per_worker(g, name, spec, args, kwargs)
                 turn = (self._caller_id, self._next_turn)
                 plan, settled = g.dispatcher.call.remote(CallRequest(
                     name, per_worker, spec.dispatch, execute, caller, wait_meta, (*turn, self._told_prev()),
@@ -201,6 +193,24 @@ class GangProxy:
         if eager:
             return result.get()
         return result
+
+    def _per_worker(self, g: GangRef, name: str, spec: RemoteFunction, args: tuple,
+                    kwargs: dict) -> list[tuple[tuple, dict]]:
+        """Each target worker's (args, kwargs) for a call through ``g``: split by ``spec``'s
+        dispatch (one entry when nothing is sliced), large values put once, and this gang's
+        own LazyResults sent without their GangRef."""
+        if spec.dispatch == "balance":  # chunks handed out while the call runs (runtime.balance)
+            per_worker = balance.split(name, spec, g, self._execute, args, kwargs, _nbytes)
+        elif spec.execute == "first" or spec.dispatch == "all" or self._execute == "first":
+            per_worker = [(args, kwargs)]
+        else:
+            per_worker = split_args(
+                spec.dispatch, g.n_workers, args, kwargs, device_mesh=g.mesh,
+                gpus_per_worker=g.gpus_per_worker, method=name, group=g.group,
+            )
+            if all(pw is per_worker[0] for pw in per_worker):  # nothing sliced: one entry for
+                per_worker = per_worker[:1]  # all, so the call costs the same at any gang size
+        return strip_own_gang(put_large(per_worker), g)
 
     def _told_prev(self) -> list | str | None:
         """What this proxy's next call tells the dispatcher of its previous one (see
@@ -253,8 +263,8 @@ class GangProxy:
             trainer.save_state()          # at most the steps since this one are lost
         """
         self._check_open()
-        g = self._gang
         with self._turn_lock:
+            g = self._gang  # read under the lock: another thread may replace a dead dispatcher
             turn = (self._caller_id, self._next_turn, self._told_prev())
             ref = g.dispatcher.save_state.remote(path, turn)
             self._next_turn += 1
