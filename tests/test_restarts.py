@@ -307,7 +307,8 @@ def test_a_call_made_while_another_thread_replaces_the_dispatcher_goes_to_the_ne
     """A proxy shared by threads: one thread's call is being prepared (split, put) when another
     thread replaces the gang's dead dispatcher. The call goes to the new dispatcher, numbered
     in the new turn, not to the dead one (before: a spurious 'dispatcher died' for a call made
-    after the recovery)."""
+    after the recovery), and a LazyResult of the old dispatcher in its arguments keeps its gang
+    (it is not the new dispatcher's own output)."""
     import ray
 
     from twinkle_ray.runtime import proxy as proxy_module
@@ -321,7 +322,8 @@ def test_a_call_made_while_another_thread_replaces_the_dispatcher_goes_to_the_ne
 
         @ray.method(num_returns=2)
         def call(self, request):
-            self.calls.append((request.method, tuple(request.turn[:2])))
+            [((value,), _)] = request.per_worker
+            self.calls.append((request.method, tuple(request.turn[:2]), value.gang is not None))
             return None, True
 
         def seen(self) -> list:
@@ -331,6 +333,7 @@ def test_a_call_made_while_another_thread_replaces_the_dispatcher_goes_to_the_ne
     g = Mortal(remote_group="dr")
     old = (g._gang.dispatcher, g._desc)
     new = NewDispatcher.remote()
+    before = g.get_value()  # an output of the old dispatcher
     put_large = proxy_module.put_large
 
     def put_then_replace(per_worker):  # the other thread's respawn lands during this call's
@@ -340,8 +343,8 @@ def test_a_call_made_while_another_thread_replaces_the_dispatcher_goes_to_the_ne
 
     monkeypatch.setattr(proxy_module, "put_large", put_then_replace)
     try:
-        result = g.set_value(7)
-        assert ray.get(new.seen.remote(), timeout=30) == [("set_value", (g._caller_id, 0))]
+        result = g.set_value(before)
+        assert ray.get(new.seen.remote(), timeout=30) == [("set_value", (g._caller_id, 0), True)]
         assert result.gang is g._gang
     finally:
         monkeypatch.undo()

@@ -163,7 +163,8 @@ class GangProxy:
         if self._lost:
             self._rebuild_dispatcher()
         g = self._gang
-        per_worker = self._per_worker(g, name, spec, args, kwargs)
+        split = self._split(g, name, spec, args, kwargs)
+        per_worker = strip_own_gang(split, g)
         execute = "first" if self._execute == "first" else spec.execute
         caller = _caller() if execute == "peer" else None
         eager = spec.sync or not (self._lazy_default if spec.lazy_collect is None else spec.lazy_collect)
@@ -173,8 +174,8 @@ class GangProxy:
         try:
             with self._turn_lock:  # numbers follow submission order, also across threads
                 if self._gang is not g:  # another thread replaced the dead dispatcher meanwhile:
-                    g = self._gang  # this call goes to the new one (rare: prepared again here)
-                    per_worker = self._per_worker(g, name, spec, args, kwargs)
+                    g = self._gang  # this call goes to the new one; LazyResults of the old one
+                    per_worker = strip_own_gang(split, g)  # are not its own (they keep their gang)
                 turn = (self._caller_id, self._next_turn)
                 plan, settled = g.dispatcher.call.remote(CallRequest(
                     name, per_worker, spec.dispatch, execute, caller, wait_meta, (*turn, self._told_prev()),
@@ -194,11 +195,11 @@ class GangProxy:
             return result.get()
         return result
 
-    def _per_worker(self, g: GangRef, name: str, spec: RemoteFunction, args: tuple,
-                    kwargs: dict) -> list[tuple[tuple, dict]]:
-        """Each target worker's (args, kwargs) for a call through ``g``: split by ``spec``'s
-        dispatch (one entry when nothing is sliced), large values put once, and this gang's
-        own LazyResults sent without their GangRef."""
+    def _split(self, g: GangRef, name: str, spec: RemoteFunction, args: tuple,
+               kwargs: dict) -> list[tuple[tuple, dict]]:
+        """Each target worker's (args, kwargs) for a call on gang ``g``: split by ``spec``'s
+        dispatch (one entry when nothing is sliced), large values put once. The same for any
+        dispatcher of the gang (its size and mesh never change)."""
         if spec.dispatch == "balance":  # chunks handed out while the call runs (runtime.balance)
             per_worker = balance.split(name, spec, g, self._execute, args, kwargs, _nbytes)
         elif spec.execute == "first" or spec.dispatch == "all" or self._execute == "first":
@@ -210,7 +211,7 @@ class GangProxy:
             )
             if all(pw is per_worker[0] for pw in per_worker):  # nothing sliced: one entry for
                 per_worker = per_worker[:1]  # all, so the call costs the same at any gang size
-        return strip_own_gang(put_large(per_worker), g)
+        return put_large(per_worker)
 
     def _told_prev(self) -> list | str | None:
         """What this proxy's next call tells the dispatcher of its previous one (see
@@ -315,9 +316,11 @@ class GangProxy:
 
     def _dispatcher_died(self, gang: GangRef) -> None:
         """A call through ``gang`` found its dispatcher dead (a LazyResult's ``on_lost``); one of
-        a dispatcher this proxy has replaced already changes nothing."""
-        if gang is self._gang:
-            self._lost = True
+        a dispatcher this proxy has replaced already changes nothing. (Never called with the
+        turn lock held: ``on_lost`` runs in a fetch, and no fetch runs under that lock.)"""
+        with self._turn_lock:  # not between another thread's replacement and its _lost = False
+            if gang is self._gang:
+                self._lost = True
 
     def _use_dispatcher(self, dispatcher: Any, desc: dict) -> None:
         """Call the gang through ``dispatcher`` (a new one: this proxy starts a fresh turn)."""
@@ -360,8 +363,9 @@ class GangProxy:
         self._check_open()
         if self._budget is not None:
             self._budget.catch_up()
-        fetch([self._gang.dispatcher.check_health.remote(wait)], [0], self._gang, "check_health",
-              timeout, on_lost=self._dispatcher_died)
+        g = self._gang  # once: another thread may replace a dead dispatcher meanwhile
+        fetch([g.dispatcher.check_health.remote(wait)], [0], g, "check_health", timeout,
+              on_lost=self._dispatcher_died)
 
     def set_restart_policy(self, max_restarts: int, window_s: float | None = None) -> str:
         """Rebuild the gang automatically at most ``max_restarts`` times within ``window_s``
