@@ -84,6 +84,14 @@ def test_quick_bench_reports_every_benchmark(report):
         slope["twinkle_ms_per_worker"] - slope["raw_ms_per_worker"])
     b2 = _rows(report, "B2")[0]
     assert b2["twinkle_calls_per_s"] > 0 and b2["raw_calls_per_s"] > 0
+    b9 = _rows(report, "B9")  # generation overlapping training, and the sequential step
+    assert [r["name"].split(" ", 2)[1] for r in b9] == ["overlapped", "sequential"], b9
+    for r in b9:
+        _positive(r, "twinkle_s", "raw_s", "ratio", "sync_s")
+        assert r["steps"] == report["config"]["b9_steps"]
+    [w1] = _rows(report, "W1")  # weight sync over 2 raylets: per-stage sources vs the rank-0 path
+    _positive(w1, "twinkle_s", "raw_s", "ratio", "model_mb")
+    assert w1["bytes_ratio"] <= 0.55, w1  # byte counts, not times: each stage sends its half
     metrics = [r for r in report["results"] if r.get("metrics_cost")]  # B1 metrics on vs off
     assert [r["name"].rsplit(", ", 1)[1] for r in metrics] == ["eager", "lazy"]
     for r in metrics:
