@@ -283,7 +283,8 @@ def test_killed_dispatcher_is_rebuilt_under_its_name_with_the_saved_state(runtim
     to_error = time.monotonic() - t0
     assert err.kind == "dispatcher" and err.rank is None
     assert str(err).startswith("the dispatcher of Respawned in group 'dk' died (node ")
-    assert g.get_value()() == [50, 51]  # the next call: a new dispatcher, gang and restored state
+    g.save_state(path=str(tmp_path))  # the next call (a save too): a new dispatcher and gang,
+    assert g.get_value()() == [50, 51]  # the saved state restored, then saved again
     print(f"\ndispatcher killed: error after {to_error:.1f}s (0.5 s of it before the kill); "
           f"next call answered {time.monotonic() - t0:.1f}s after the call began")
     assert g.topology()["label"] == label

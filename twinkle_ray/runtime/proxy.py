@@ -264,6 +264,8 @@ class GangProxy:
             trainer.save_state()          # at most the steps since this one are lost
         """
         self._check_open()
+        if self._lost:  # as for a call: the creator's proxy rebuilds a dead dispatcher first
+            self._rebuild_dispatcher()
         with self._turn_lock:
             g = self._gang  # read under the lock: another thread may replace a dead dispatcher
             turn = (self._caller_id, self._next_turn, self._told_prev())
