@@ -146,6 +146,11 @@ class SyncModel(_Model):
     pass
 
 
+@remote_class(max_restarts=1)
+class HealingSyncModel(_Model):
+    pass
+
+
 def _groups(*names_sizes):
     return [DeviceGroup(n, k, "cpu") for n, k in names_sizes]
 
@@ -352,3 +357,33 @@ def test_sampler_killed_during_sync_ends_both_sides_and_restart_syncs(runtime):
     stats = ws.sync()  # a fresh channel after the restart
     assert stats.receivers == 2
     assert sampler.weight_sum()() == trainer.weight_sum()()
+
+
+@pytest.mark.slow
+def test_async_sync_after_a_dispatcher_respawn_sets_up_a_fresh_channel(runtime):
+    """A respawned dispatcher rebuilds its gang from generation 1 again, as the first one did:
+    the sync must still see a new gang (with no channel), not the one it set up. Before, an
+    async sync went out on the old channel: the sampler's new workers had none, and the
+    trainer, left inside the broadcast, was torn down as stuck."""
+    import ray
+
+    from conftest import NAMESPACE
+    from twinkle_ray import get
+
+    runtime.initialize(groups=_groups(("tr", 2), ("sa", 2)))
+    trainer = SyncModel(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="tr")
+    sampler = HealingSyncModel(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="sa")
+    ws = WeightSync(trainer, sampler, timeout_s=60)
+    assert ws.sync().receivers == 2
+    old = sampler.topology()
+    ray.kill(ray.get_actor(old["label"], namespace=NAMESPACE), no_restart=True)
+    with pytest.raises(WorkerDiedError, match="dispatcher"):
+        sampler.pid()()
+    sampler.pid()()  # the creator's proxy respawns the dispatcher and the gang
+    new = sampler.topology()
+    assert new["generation"] == old["generation"]  # what hid the rebuild from the sync
+    trainer_pids = trainer.pid()()
+    stats = get(ws.sync(wait=False), timeout=120)
+    assert stats.receivers == 2
+    assert sampler.weight_sum()() == trainer.weight_sum()()
+    assert trainer.pid()() == trainer_pids  # the trainer was never torn down

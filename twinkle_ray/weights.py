@@ -611,12 +611,14 @@ class WeightSync:
         return bool(flags) and all(flags)
 
     def _gang_generations(self) -> tuple:
-        """Each gang's build number, asked of its dispatcher (it answers at once, whatever the
-        gang is running): a rebuilt gang holds no channel."""
+        """Which build of each gang runs now, asked of its dispatcher (it answers at once,
+        whatever the gang is running): a rebuilt gang holds no channel. A build is named by its
+        dispatcher and its number there (a respawned dispatcher numbers its builds from 1 again)."""
         out = []
         for g in [self.source, *self.targets]:
             try:
-                out.append(g.topology()["generation"])
+                t = g.topology()
+                out.append((t["dispatcher_id"], t["generation"]))
             except Exception:  # gone: the sync will say so
                 out.append(None)
         return tuple(out)

@@ -241,6 +241,8 @@ class Dispatcher:
             "rebuild_error": deaths.rebuild_error,
             "restart_policy": self.rebuilds.policy.describe(),
             "dispatcher_node": self.node,
+            # with "generation", what names one build: a respawned dispatcher counts from 1 again
+            "dispatcher_id": ray.get_runtime_context().get_actor_id(),
             "dispatcher_pid": os.getpid(),
             "saved_state": self.builder.saved is not None,
             "master_addr": st.master_addr,
