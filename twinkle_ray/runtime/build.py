@@ -68,6 +68,8 @@ class Builder:
         # One node: the rendezvous is reached over loopback, nothing else needs to see it.
         master_addr = "127.0.0.1" if len(node_rank) == 1 else slots[0].node_ip
         me = ray.get_runtime_context().current_actor  # workers report failures to it
+        distributed = spec.distributed if spec.distributed is not None else n > 1
+        st.distributed = distributed
         infos = []
         for rank, s in enumerate(slots):
             same_node = [r for r, t in enumerate(slots) if t.node_id == s.node_id]
@@ -92,6 +94,7 @@ class Builder:
                     generation=gen,
                     metrics=spec.label if spec.metrics else None,
                     gpus_per_worker=g.gpus_per_worker,
+                    distributed=distributed,
                 )
             )
         st.master_addr = master_addr
@@ -109,8 +112,6 @@ class Builder:
             for rank, (info, s, own) in enumerate(zip(infos, slots, owns, strict=True))
         ]
         workers = st.workers = [r.worker for r in st.ranks]
-        distributed = spec.distributed if spec.distributed is not None else n > 1
-        st.distributed = distributed
         try:
             endpoint = workers[0].endpoint.remote()
             self._start_waits = ("the worker actor", {0: endpoint})
@@ -119,9 +120,9 @@ class Builder:
                 w.start.remote(port, distributed, spec.dist_timeout_s, spec.seed, spec.payload)
                 for w in workers
             ]
+            idents = [w.identity.remote() for w in workers]  # answered right after the start
             self._start_waits = (START, dict(enumerate(starts)))
             started = await all_or_first_error(starts)
-            idents = [w.identity.remote() for w in workers]
             self._start_waits = ("the worker actor", dict(enumerate(idents)))
             ids = await asyncio.gather(*idents)
             for r, (actor_id, node_id, node_ip) in zip(st.ranks, ids, strict=True):

@@ -18,6 +18,7 @@ Example (what the dispatcher does)::
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import socket
@@ -68,6 +69,9 @@ class WorkerInfo:
     generation: int = 0
     metrics: str | None = None  # the gang's label when it records metrics (see .metrics)
     gpus_per_worker: int = 1  # devices of this worker: its mesh rank is rank * gpus_per_worker
+    # the gang joins torch.distributed: the worker imports torch as soon as it exists (see
+    # GangWorker.__init__)
+    distributed: bool = False
 
     def environ(self) -> dict[str, str]:
         env = {
@@ -98,6 +102,15 @@ class GangWorker:
         self.current: int | None = None  # sequence number of the call running now
         self.phase: str | None = "created"  # what start() is doing (None: started)
         self.metrics = GangMetrics.create(info.metrics, True) if info.metrics else None
+        # torch takes seconds of CPU to import, and a distributed gang's start needs it: the
+        # import runs while the gang's other workers are still being created and rank 0 is
+        # asked for the rendezvous port, rather than after (start() waits for it first, so no
+        # other import ever runs beside it; a failed import is raised by start's own import).
+        self._torch_import: threading.Thread | None = None
+        if info.distributed:
+            self._torch_import = threading.Thread(target=_import_quietly, args=("torch.distributed",),
+                                                  name="twinkle-import-torch", daemon=True)
+            self._torch_import.start()
 
     def endpoint(self) -> tuple[str, int]:
         """This node's IP and a free TCP port on it (for MASTER_PORT)."""
@@ -120,6 +133,9 @@ class GangWorker:
 
         Returns (the torch.distributed backend used or None, this process's pid).
         """
+        if self._torch_import is not None:
+            self.phase = "importing torch"
+            self._torch_import.join()
         self.phase = "fetching the class and its arguments"
         cls, (args, kwargs) = self._unpickle(payload)
         os.environ["MASTER_PORT"] = str(master_port)
@@ -329,6 +345,14 @@ def _meta(result: Any) -> int | TupleLengths | None:
 
 # control: watch() (always), progress() and pid() beside a running call.
 _RemoteGangWorker = ray.remote(concurrency_groups={"control": 3})(GangWorker)
+
+
+def _import_quietly(module: str) -> None:
+    """Import ``module`` ahead of its use; a failure is left for that use to raise."""
+    try:
+        importlib.import_module(module)
+    except Exception:
+        logger.debug("ahead-of-time import of %s failed", module, exc_info=True)
 
 
 def make_worker(
