@@ -39,6 +39,7 @@ from .runtime.errors import CallTimeoutError, GangStuckError, PlacementError, Wo
 from .runtime.net import find_free_port, find_node_ip
 from .runtime.remote import remote_class
 from .runtime.session import get, get_device_placement, initialize, shutdown
+from .runtime.together import start_together
 
 __version__ = "0.1.0"
 
@@ -76,4 +77,5 @@ __all__ = [
     "remote_class",
     "remote_function",
     "shutdown",
+    "start_together",
 ]

@@ -27,6 +27,7 @@ from .proxy import GangProxy
 from .restarts import RebuildLedger, RestartPolicy
 from .sending import put_large, unpicklable
 from .spec import GangSpec
+from .together import Start, join_or_wait
 
 # How long a respawn waits for a dead dispatcher's name to be released by Ray.
 RESPAWN_NAME_WAIT_S = 60.0
@@ -96,30 +97,36 @@ def create_gang(
     except BaseException:
         runtime.release(group.name, taken)
         raise
+    join_or_wait(proxy)  # now, or at the end of a start_together() block (a failure closes it)
     return proxy
 
 
 def _start(spec: GangSpec, timeout_s: float | None) -> GangProxy:
-    """Create the gang's dispatcher and start the gang; on failure nothing of it is left."""
+    """Create the gang's dispatcher and ask it to start the gang; the proxy returned waits
+    for that start-up before anything needs the gang (see runtime.together). A start-up that
+    fails kills the dispatcher, and with it whatever it built."""
     label = spec.label
     dispatcher = new_dispatcher(spec)
-    try:
-        desc = wait_with_progress(
-            dispatcher.start.remote(), f"start-up of gang {label} ({len(spec.slots)} worker(s))",
-            timeout_s,
-        )
-        return spec.proxy(dispatcher, desc)
-    except BaseException as e:
-        ray.kill(dispatcher, no_restart=True)
-        cause = getattr(e, "cause", None)
-        if isinstance(cause, Exception):
-            raise cause from None
-        if isinstance(e, ray.exceptions.RayActorError):  # (a class that will not unpickle fails
-            # in the workers' start, named there: only they unpickle it)
-            raise RuntimeError(
-                f"gang {label}: its dispatcher could not be created. Ray said: {str(e).splitlines()[0]}"
-            ) from None
-        raise
+
+    def finish(wait):
+        try:
+            return wait()
+        except BaseException as e:
+            ray.kill(dispatcher, no_restart=True)
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, Exception):
+                raise cause from None
+            if isinstance(e, ray.exceptions.RayActorError):  # (a class that will not unpickle
+                # fails in the workers' start, named there: only they unpickle it)
+                raise RuntimeError(f"gang {label}: its dispatcher could not be created. Ray "
+                                   f"said: {str(e).splitlines()[0]}") from None
+            raise
+
+    start = Start(dispatcher.start.remote(), f"start-up of gang {label} ({len(spec.slots)} "
+                  f"worker(s))", timeout_s, finish)
+    # The dispatcher runs on this node (new_dispatcher): its node is known before it answers.
+    here = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+    return spec.proxy(dispatcher, {"label": label, "dispatcher_node": here}, starting=start)
 
 
 def new_dispatcher(spec: GangSpec):

@@ -39,6 +39,7 @@ from .progress import wait_with_progress
 from .restarts import RebuildLedger, RestartPolicy
 from .sending import _nbytes, put_large, sent_by_value, strip_own_gang, unpicklable
 from .sequencer import SETTLED
+from .together import Start
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +76,17 @@ class GangProxy:
     with a fresh torch.distributed world after a worker died.
     """
 
-    def __init__(self, cls: type, gang: GangRef, execute: str, lazy_default: bool, desc: dict):
+    def __init__(self, cls: type, gang: GangRef, execute: str, lazy_default: bool, desc: dict,
+                 starting: Start | None = None):
         self._cls = cls
         self._gang = gang
         self._execute = execute
         self._lazy_default = lazy_default
         self._desc = desc
+        # The gang's start-up while it runs (made in a start_together() block; see
+        # runtime.together): whatever needs the gang waits for it first. Never pickled.
+        self._starting = starting
+        self._start_lock = threading.Lock()
         self._closed: str | None = None
         # A call saw the gang's dispatcher (the one in ``_gang``) die: the next call rebuilds it
         # (the creator's proxy) or looks it up by name (a copy). Never pickled.
@@ -149,8 +155,41 @@ class GangProxy:
         """Why the gang was closed (``close(reason)``), or None while it is open."""
         return self._closed
 
+    @property
+    def start_under_way(self) -> Start | None:
+        """The gang's start-up while it still runs (it was made in a ``start_together()``
+        block), else None."""
+        return self._starting
+
+    def wait_started(self) -> None:
+        """Wait until the gang is up (only a gang made in a ``start_together()`` block may not
+        be yet). A start-up that failed closes the gang and raises its error, here and once:
+        later uses say the gang is gone.
+
+        Example::
+
+            with twinkle.start_together():
+                sampler = Sampler(remote_group="sampler")
+                sampler.wait_started()     # this one now; the block's end waits for the rest
+        """
+        if self._starting is None:
+            return
+        with self._start_lock:  # another thread that needs the gang waits here too
+            start = self._starting
+            if start is None:  # that thread saw it through
+                return
+            try:
+                self._desc = start.result()
+            except BaseException as e:
+                self._starting = None
+                self.close(f"its start-up failed: {type(e).__name__}")
+                raise
+            self._starting = None
+
     # -- calls ---------------------------------------------------------------------------------
     def _check_open(self) -> None:
+        if self._starting is not None:
+            self.wait_started()
         if self._closed:
             raise RuntimeError(
                 f"gang {self._desc['label']} is gone ({self._closed}); create it again after "
@@ -421,6 +460,7 @@ class GangProxy:
         return f"<{self._cls.__name__} gang '{self._desc['label']}' x{self._gang.n_workers}{state}>"
 
     def __reduce__(self):
+        self.wait_started()  # a copy calls the gang as it is once up
         return (GangProxy, (self._cls, self._gang, self._execute, self._lazy_default, self._desc))
 
 

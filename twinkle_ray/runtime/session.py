@@ -366,5 +366,6 @@ def get_device_placement(groups: Sequence[str | DeviceGroup] | None = None) -> s
             lines.append(f"  rank {rank:<3} node {s.node_ip} ({s.node_id[:8]})  {dev:<12} bundle {s.bundle_index}")
         gangs = [p for p in rt.gangs if p.group == name and not p.closed]
         for p in gangs:
-            lines.append(f"  gang {p.label}: {p.n_workers} worker(s), backend {p.backend}")
+            state = "starting" if p.start_under_way is not None else f"backend {p.backend}"
+            lines.append(f"  gang {p.label}: {p.n_workers} worker(s), {state}")
     return "\n".join(lines)

@@ -94,8 +94,9 @@ class GangSpec:
                        label=self.label, namespace=self.namespace)
 
     def proxy(self, dispatcher: Any, desc: dict, gang: GangRef | None = None,
-              cls: type | None = None) -> GangProxy:
+              cls: type | None = None, starting: Any = None) -> GangProxy:
         """A GangProxy for this gang (``gang``: an already built GangRef of it; ``cls``: the
-        class, where this spec was unpickled without it)."""
+        class, where this spec was unpickled without it; ``starting``: its start-up under way,
+        a :class:`~twinkle_ray.runtime.together.Start`)."""
         gang = gang or self.gang_ref(dispatcher, desc.get("dispatcher_node"))
-        return GangProxy(cls or self.cls, gang, self.execute, self.lazy_collect, desc)
+        return GangProxy(cls or self.cls, gang, self.execute, self.lazy_collect, desc, starting)

@@ -1,0 +1,134 @@
+"""start_together(): the gangs made in one block start up at the same time.
+
+Making a gang (``Cls(..., remote_group='g')``) waits until it is up:
+torch.distributed joined and the constructor run on every rank, so a
+constructor's error is raised right there. A job with several gangs (a
+sampler, a trainer, a reference model) then pays for their start-ups one
+after another, though each mostly waits on its own workers. Inside
+``with start_together():`` making a gang returns at once, its start-up runs
+in the background, and the block's end waits for all of them: after the
+block every gang is up, as after plain construction.
+
+- Anything that needs a gang made in the block (a call, ``topology()``,
+  pickling it into another gang) first waits for that gang's start-up.
+- A start-up that fails: the block's end closes every gang made in the
+  block (nothing half-started is left, their devices go back to their
+  groups) and raises that error, the first to happen.
+- A block that raises: the gangs made in it are closed, and its error goes on.
+
+Example::
+
+    with twinkle.start_together():
+        trainer = Trainer(device_mesh=mesh, remote_group="trainer")   # returns at once
+        sampler = Sampler(remote_group="sampler")
+    # both are up here
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+# Ray is imported where it is used: ``import twinkle_ray`` (which exports start_together) must
+# not import it, so the pure core stays importable without it.
+logger = logging.getLogger(__name__)
+
+# The gangs made in the innermost open start_together() block of this context (None: none open).
+_BLOCK: contextvars.ContextVar[list | None] = contextvars.ContextVar("twinkle_start_together",
+                                                                    default=None)
+
+
+class Start:
+    """One gang's start-up under way: its dispatcher's ``start()`` ref and its deadline.
+
+    ``finish`` turns the ref's value, or its error, into the gang's description
+    or the error the user sees (the gang's creator knows how); it runs once.
+    """
+
+    def __init__(self, ref: Any, what: str, timeout_s: float | None, finish: Any):
+        self.ref, self.what = ref, what
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._finish = finish
+
+    def late(self) -> bool:
+        """Whether its ``start_timeout_s`` has passed."""
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def result(self) -> dict:
+        """Wait for the start-up (a progress line on a long wait) and return the gang's
+        description, or raise its error (a TimeoutError past the deadline)."""
+        from .progress import wait_with_progress
+
+        left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        return self._finish(lambda: wait_with_progress(self.ref, self.what, left))
+
+
+@contextlib.contextmanager
+def start_together() -> Iterator[None]:
+    """Start every gang made inside the block at the same time; the block's end waits for
+    them all (see the module docstring).
+
+    Example::
+
+        with twinkle.start_together():
+            trainer = Trainer(remote_group="trainer")
+            sampler = Sampler(remote_group="sampler")
+        out = sampler.generate(prompts)   # both are up
+    """
+    made: list = []
+    token = _BLOCK.set(made)
+    try:
+        yield
+    except BaseException:
+        _close(made, "its start_together() block raised")
+        raise
+    finally:
+        _BLOCK.reset(token)
+    _wait_all(made)
+
+
+def join_or_wait(proxy: Any) -> None:
+    """A gang just made: left to start in the open start_together() block, if any, else
+    waited for now (a failed start-up closes it and raises)."""
+    block = _BLOCK.get()
+    if block is None:
+        proxy.wait_started()
+    else:
+        block.append(proxy)
+
+
+def _wait_all(proxies: list) -> None:
+    """Wait for the start-ups of ``proxies``; the first that fails closes them all and raises."""
+    import ray
+
+    from .progress import PROGRESS_EVERY_S, progress_after_s
+
+    pending = {p.start_under_way.ref: p for p in proxies if p.start_under_way is not None}
+    began = time.monotonic()
+    next_note = progress_after_s()
+    try:
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0, fetch_local=False)
+            for ref in ready:
+                pending.pop(ref).wait_started()  # its outcome: the description, or its error
+            for ref, p in list(pending.items()):
+                if p.start_under_way.late():
+                    pending.pop(ref).wait_started()  # raises its TimeoutError
+            waited = time.monotonic() - began
+            if pending and waited >= next_note:
+                logger.warning("start-up of gangs %s: still waiting after %.0fs",
+                               ", ".join(p.label for p in pending.values()), waited)
+                next_note += PROGRESS_EVERY_S
+    except BaseException as e:
+        _close(proxies, f"another gang of its start_together() block did not start "
+                        f"({type(e).__name__})")
+        raise
+
+
+def _close(proxies: list, reason: str) -> None:
+    for p in proxies:
+        p.close(reason)
