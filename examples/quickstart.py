@@ -108,9 +108,10 @@ def main(argv: list[str] | None = None) -> dict:
         num_cpus=8,
     )
     try:
-        loader = PromptLoader(args.steps * args.batch_size, args.batch_size, remote_group="sampler")
-        sampler = Sampler(device_mesh=DeviceMesh.from_sizes(dp_size=4), remote_group="sampler")
-        trainer = Trainer(device_mesh=DeviceMesh.from_sizes(dp_size=2, tp_size=2), remote_group="trainer")
+        with twinkle.start_together():  # the three gangs start up at the same time
+            loader = PromptLoader(args.steps * args.batch_size, args.batch_size, remote_group="sampler")
+            sampler = Sampler(device_mesh=DeviceMesh.from_sizes(dp_size=4), remote_group="sampler")
+            trainer = Trainer(device_mesh=DeviceMesh.from_sizes(dp_size=2, tp_size=2), remote_group="trainer")
         print(twinkle.get_device_placement())
 
         losses = []

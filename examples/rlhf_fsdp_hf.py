@@ -391,14 +391,15 @@ def build(*, digits: int = 4, group_size: int = 8, batch_size: int = 16, lr: flo
     """Create the loader and the three gangs (needs ``twinkle.initialize`` with :func:`groups`)."""
     sampler_mesh = DeviceMesh.from_sizes(dp_size=2, device_type="cpu")
     trainer_mesh = create_fsdp2_mesh(world_size=2, device_type="cpu")  # (pp, dp_replicate, dp_shard, cp, tp)
-    loader = DataLoader(functools.partial(make_prompts, num_prompts, digits, seed), batch_size=batch_size,
-                        device_mesh=sampler_mesh, shuffle=True, seed=seed, remote_group="data")
-    return {
-        "loader": loader,
-        "sampler": Sampler(sampler_mesh, digits, group_size, seed, remote_group="sampler"),
-        "reward": Reward(group_size, remote_group="reward"),
-        "trainer": Trainer(trainer_mesh, digits, seed, lr, ppo_epochs, entropy_coef, remote_group="trainer"),
-    }
+    with twinkle.start_together():  # the four gangs start up at the same time
+        loader = DataLoader(functools.partial(make_prompts, num_prompts, digits, seed), batch_size=batch_size,
+                            device_mesh=sampler_mesh, shuffle=True, seed=seed, remote_group="data")
+        return {
+            "loader": loader,
+            "sampler": Sampler(sampler_mesh, digits, group_size, seed, remote_group="sampler"),
+            "reward": Reward(group_size, remote_group="reward"),
+            "trainer": Trainer(trainer_mesh, digits, seed, lr, ppo_epochs, entropy_coef, remote_group="trainer"),
+        }
 
 
 def timed_sync(trainer, sampler) -> dict:

@@ -397,14 +397,15 @@ def build(*, lr: float, batch_size: int, group_size: int, entropy_coef: float, s
         source, collate = ray_data_prompts(num_prompts, seed), prompts_of
     else:
         source, collate = functools.partial(make_prompts, num_prompts, seed), None
-    loader = DataLoader(source, batch_size=batch_size, device_mesh=sampler_mesh, shuffle=True, seed=seed,
-                        collate_fn=collate, remote_group="data")
     sampler_cls, trainer_cls = (ChaosSampler, ChaosTrainer) if chaos else (Sampler, Trainer)
     if balance:  # --balance [CHUNK]
         sampler_cls = balanced_sampler(sampler_cls, chunk)
-    sampler = sampler_cls(sampler_mesh, group_size, seed, long_tail_s, remote_group="sampler")
-    reward = Reward(group_size, remote_group="reward")
-    trainer = trainer_cls(trainer_mesh, lr, entropy_coef, max_staleness=max_staleness, remote_group="trainer")
+    with twinkle.start_together():  # the four gangs start up at the same time
+        loader = DataLoader(source, batch_size=batch_size, device_mesh=sampler_mesh, shuffle=True, seed=seed,
+                            collate_fn=collate, remote_group="data")
+        sampler = sampler_cls(sampler_mesh, group_size, seed, long_tail_s, remote_group="sampler")
+        reward = Reward(group_size, remote_group="reward")
+        trainer = trainer_cls(trainer_mesh, lr, entropy_coef, max_staleness=max_staleness, remote_group="trainer")
     return loader, sampler, reward, trainer
 
 

@@ -142,18 +142,19 @@ def build(model: str, sampler_mesh: DeviceMesh, trainer_mesh: DeviceMesh, args) 
     """The loader and the three gangs (needs ``twinkle.initialize`` with :func:`layout`'s groups)."""
     from examples.vllm_megatron.megatron_trainer import MegatronTrainer
 
-    loader = DataLoader(functools.partial(make_prompts, args.num_prompts, args.digits, args.seed),
-                        batch_size=args.batch_size, device_mesh=sampler_mesh, shuffle=True, seed=args.seed,
-                        remote_group="data")
     sampler_cls = VLLMSampler if args.balance is None else balanced_sampler(balance_chunk(args))  # --balance
-    sampler = sampler_cls(model, device_mesh=sampler_mesh, n=args.group_size, temperature=1.0,
-                          max_tokens=args.digits, min_tokens=args.digits, ignore_eos=True, dtype="float32",
-                          max_model_len=64, max_num_seqs=args.batch_size * args.group_size, seed=args.seed,
-                          cache_dir=args.cache_dir, remote_group="sampler")
-    trainer = MegatronTrainer(model, device_mesh=trainer_mesh, lr=args.lr, ppo_epochs=args.ppo_epochs,
-                              clip=0.2, entropy_coef=args.entropy_coef, seed=args.seed, remote_group="trainer")
-    return {"loader": loader, "sampler": sampler, "reward": DigitReward(args.group_size, remote_group="reward"),
-            "trainer": trainer}
+    with twinkle.start_together():  # the vLLM engines and the Megatron gang start up at the same time
+        loader = DataLoader(functools.partial(make_prompts, args.num_prompts, args.digits, args.seed),
+                            batch_size=args.batch_size, device_mesh=sampler_mesh, shuffle=True, seed=args.seed,
+                            remote_group="data")
+        sampler = sampler_cls(model, device_mesh=sampler_mesh, n=args.group_size, temperature=1.0,
+                              max_tokens=args.digits, min_tokens=args.digits, ignore_eos=True, dtype="float32",
+                              max_model_len=64, max_num_seqs=args.batch_size * args.group_size, seed=args.seed,
+                              cache_dir=args.cache_dir, remote_group="sampler")
+        trainer = MegatronTrainer(model, device_mesh=trainer_mesh, lr=args.lr, ppo_epochs=args.ppo_epochs,
+                                  clip=0.2, entropy_coef=args.entropy_coef, seed=args.seed, remote_group="trainer")
+        reward = DigitReward(args.group_size, remote_group="reward")
+    return {"loader": loader, "sampler": sampler, "reward": reward, "trainer": trainer}
 
 
 def balance_chunk(args) -> int | None:
