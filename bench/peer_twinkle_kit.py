@@ -21,7 +21,10 @@ ratio = twinkle_ray / twinkle-kit.
   process group; twinkle-kit: none, it only sets RANK/WORLD_SIZE, no
   MASTER_ADDR on CPU), both without torch.distributed, and both with gloo
   (twinkle-kit: the class's ``__init__`` calls ``init_process_group`` with a
-  port the driver picks, as a user of it would). Target <= 0.6x.
+  port the driver picks, as a user of it would). A fourth, "pair": two gangs
+  of 4 and 2 workers, each default (twinkle_ray builds them in one
+  ``start_together()`` block; twinkle-kit's constructors do not wait anyway).
+  Target <= 0.6x.
 - **eager per call**, for each size N of ``--workers`` (default 4 and 24;
   ``--quick`` 4 and 8): a no-op (``dispatch='all'``, ``collect='none'``) on N
   workers, call + result: twinkle_ray ``gang.noop().get()``, twinkle-kit
@@ -206,31 +209,41 @@ def bench_startup(repeats: int, variants: list[str], warmup: int = 1) -> list[di
     counter = iter(range(10**6))
     holder: dict = {}
     for variant in variants:
+        # "pair": two gangs, of 4 and 2 workers, each side's default on CPU; twinkle_ray makes them in
+        # one start_together() block (twinkle-kit's constructors return before their actors are up)
+        sizes = [(n, ""), (2, "2")] if variant == "pair" else [(n, "")]
 
-        def tk_start(variant=variant):
+        def tk_start(variant=variant, sizes=sizes):
             port = _free_port() if variant == "gloo" else 0
-            h = TkWorker(device_mesh=TkMesh.from_sizes(dp_size=n), master_port=port, remote_group="tk_start",
-                         instance_id=f"s{next(counter)}")
-            h.noop()()
-            holder["tk"] = h
+            hs = [TkWorker(device_mesh=TkMesh.from_sizes(dp_size=k), master_port=port,
+                           remote_group=f"tk_start{suffix}", instance_id=f"s{next(counter)}")
+                  for k, suffix in sizes]
+            for h in hs:
+                h.noop()()
+            holder["tk"] = hs
 
-        def tr_start(variant=variant):
+        def tr_start(variant=variant, sizes=sizes):
             cls = TrPlain if variant == "none" else TrWorker
-            g = cls(device_mesh=TrMesh.from_sizes(dp_size=n), remote_group="tr_start")
-            g.noop().get()
-            holder["tr"] = g
+            with tr.start_together():
+                gs = [cls(device_mesh=TrMesh.from_sizes(dp_size=k), remote_group=f"tr_start{suffix}")
+                      for k, suffix in sizes]
+            for g in gs:
+                g.noop().get()
+            holder["tr"] = gs
 
         def tk_before():
             holder["tk_base"] = _alive()
 
         def tk_after():
-            for a in holder.pop("tk")._actors:
-                ray.kill(a, no_restart=True)
+            for h in holder.pop("tk"):
+                for a in h._actors:
+                    ray.kill(a, no_restart=True)
             _wait_alive(holder["tk_base"])
 
-        def tr_before():
+        def tr_before(sizes=sizes):
             holder["tr_base"] = _alive()
-            tr.initialize("ray", groups=[TrGroup("tr_start", n, "cpu")], namespace=NAMESPACE)
+            tr.initialize("ray", groups=[TrGroup(f"tr_start{suffix}", k, "cpu") for k, suffix in sizes],
+                          namespace=NAMESPACE)
 
         def tr_after():
             holder.pop("tr")
@@ -239,9 +252,12 @@ def bench_startup(repeats: int, variants: list[str], warmup: int = 1) -> list[di
 
         r = compare(tr_start, tk_start, repeats=repeats, warmup=warmup, before=(tr_before, tk_before),
                     after=(tr_after, tk_after))
-        what = {"default": "each default on CPU (twinkle_ray: gloo; twinkle-kit: none)",
-                "none": "no torch.distributed on both", "gloo": "gloo process group on both"}[variant]
-        rows.append({"name": f"start-up, 4 workers, {what}", "twinkle_ray_s": r["twinkle_s"],
+        what = {"default": "4 workers, each default on CPU (twinkle_ray: gloo; twinkle-kit: none)",
+                "none": "4 workers, no torch.distributed on both",
+                "gloo": "4 workers, gloo process group on both",
+                "pair": "gangs of 4 + 2 workers, each default on CPU (twinkle_ray: gloo, "
+                        "start_together(); twinkle-kit: none)"}[variant]
+        rows.append({"name": f"start-up, {what}", "twinkle_ray_s": r["twinkle_s"],
                      "twinkle_kit_s": r["raw_s"], "ratio": r["ratio"], "paired_ratio": r["paired_ratio"],
                      "target": "<= 0.6x", "ok": r["ratio"] <= 0.6,
                      "samples": {"twinkle_ray": r["twinkle_samples"], "twinkle_kit": r["raw_samples"]}})
@@ -426,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     # twinkle-kit puts every CPU group on one node only if ncpu_proc_per_node >= all their ranks,
     # and it takes a node for CPU work only if its CPU // 4 >= ncpu_proc_per_node
     tk_groups = [TkGroup(name="tk_start", ranks=4, device_type="CPU"),
+                 TkGroup(name="tk_start2", ranks=2, device_type="CPU"),
                  TkGroup(name="tk_prod", ranks=4, device_type="CPU"),
                  TkGroup(name="tk_cons", ranks=2, device_type="CPU")]
     tk_groups += [TkGroup(name=f"tk_call_{n}", ranks=n, device_type="CPU") for n in sizes]
@@ -448,9 +465,9 @@ def main(argv: list[str] | None = None) -> int:
         tr.shutdown()
         if "startup" in only:  # last (the slowest part): each twinkle_ray start-up starts and ends a runtime
             if args.quick:
-                rows += bench_startup(2, ["default", "none"], warmup=0)
+                rows += bench_startup(2, ["default", "none", "pair"], warmup=0)
             else:
-                rows += bench_startup(4, ["default", "none"]) + bench_startup(2, ["gloo"])
+                rows += bench_startup(4, ["default", "none", "pair"]) + bench_startup(2, ["gloo"])
     finally:
         tr.shutdown()
         ray.shutdown()
