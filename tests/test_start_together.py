@@ -3,6 +3,7 @@ waits for all of them; a start-up that fails closes every gang of the block and 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -32,9 +33,24 @@ class Slow:
     def ran(self) -> tuple[float, float]:
         return self.began, self.ended
 
+    @remote_function(dispatch="all", collect="first")
+    def take(self, other) -> str:
+        return other.label
 
-def _groups():
-    return [DeviceGroup("ta", 2, "cpu"), DeviceGroup("tb", 2, "cpu")]
+
+@remote_class(max_restarts=1)
+class Healing(Slow):
+    pass
+
+
+@remote_class()
+class Holder:
+    def __init__(self, other):
+        self.other = other
+
+
+def _groups(size: int = 2):
+    return [DeviceGroup("ta", size, "cpu"), DeviceGroup("tb", size, "cpu")]
 
 
 @pytest.mark.slow
@@ -89,3 +105,142 @@ def test_a_block_that_raises_closes_its_gangs(runtime):
             raise KeyError("user's own")
     assert a.closed == "its start_together() block raised"
     assert current().gangs == []
+
+
+# ------------------------------------------------------------------ found by a review (1 worker)
+@pytest.mark.slow
+def test_plain_construction_past_start_timeout_names_the_limit(runtime):
+    runtime.initialize(groups=_groups(1), start_timeout_s=2)
+    with pytest.raises(TimeoutError) as info:
+        Slow(30.0, remote_group="ta")
+    assert str(info.value) == "start-up of gang ta/Slow (1 worker(s)) did not finish within 2s"
+    assert current().gangs == []
+
+
+@pytest.mark.slow
+def test_a_start_timeout_in_a_block_names_the_limit_and_closes_the_block(runtime):
+    runtime.initialize(groups=_groups(1), start_timeout_s=2)
+    with pytest.raises(TimeoutError) as info:
+        with start_together():
+            a = Slow(30.0, remote_group="ta")
+            b = Slow(remote_group="tb")
+    assert str(info.value) == "start-up of gang ta/Slow (1 worker(s)) did not finish within 2s"
+    assert a.closed and b.closed and current().gangs == []
+
+
+@pytest.mark.slow
+def test_a_gang_closed_while_starting_is_gone_and_leaves_the_block_alone(runtime):
+    runtime.initialize(groups=_groups(1))
+    with start_together():
+        a = Slow(2.0, remote_group="ta")
+        b = Slow(remote_group="tb")
+        a.close()  # the user no longer wants it
+        with pytest.raises(RuntimeError, match=r"gang ta/Slow is gone \(closed\)"):
+            a.ran()
+    assert b.closed is None and b.ran()()
+
+
+@pytest.mark.slow
+def test_after_a_failed_block_a_gang_still_starting_then_is_gone(runtime):
+    runtime.initialize(groups=_groups(1))
+    with pytest.raises(RuntimeError, match="gang tb/Slow failed to start"):
+        with start_together():
+            a = Slow(8.0, remote_group="ta")
+            Slow(fail=True, remote_group="tb")
+    with pytest.raises(RuntimeError, match=r"gang ta/Slow is gone \(another gang of its "
+                                           r"start_together\(\) block did not start"):
+        a.ran()
+
+
+@pytest.mark.slow
+def test_shutdown_inside_the_block_leaves_it_nothing_to_wait_for(runtime):
+    runtime.initialize(groups=_groups(1))
+    with start_together():
+        a = Slow(2.0, remote_group="ta")
+        runtime.shutdown()
+    assert a.closed == "twinkle_ray.shutdown() was called"
+
+
+@pytest.mark.slow
+def test_a_failure_another_thread_met_first_still_fails_the_block(runtime):
+    runtime.initialize(groups=_groups(1))
+    seen = []
+
+    def use(p):
+        try:
+            p.ran()()
+        except Exception as e:  # the user's thread
+            seen.append(e)
+
+    with pytest.raises(RuntimeError, match="gang ta/Slow failed to start"):
+        with start_together():
+            a = Slow(fail=True, remote_group="ta")
+            b = Slow(3.0, remote_group="tb")
+            t = threading.Thread(target=use, args=(a,))
+            t.start()
+            t.join()
+    assert seen and "gang ta/Slow failed to start" in str(seen[0])
+    assert b.closed is not None  # its block failed: it is not left running
+
+
+@pytest.mark.slow
+def test_a_gang_that_failed_to_start_passed_on_raises_its_own_error(runtime):
+    runtime.initialize(groups=_groups(1))
+    with pytest.raises(RuntimeError, match="gang ta/Slow failed to start"):
+        with start_together():
+            a = Slow(fail=True, remote_group="ta")
+            Holder(a, remote_group="tb")  # not "cannot be pickled"
+    assert current().gangs == []
+
+
+@pytest.mark.slow
+def test_passing_a_starting_gang_does_not_hold_up_the_receivers_other_callers(runtime):
+    runtime.initialize(groups=_groups(1))
+    b = Slow(remote_group="tb")
+    b.ran()()
+    with start_together():
+        a = Slow(6.0, remote_group="ta")
+        t = threading.Thread(target=lambda: b.take(a)())  # waits for a's start-up
+        t.start()
+        time.sleep(1.0)
+        b.ran()()  # another thread's call on b goes ahead (before: it waited under b's turn lock)
+        assert a.start_under_way is not None  # so it did not wait for a
+        t.join()
+
+
+@pytest.mark.slow
+def test_abort_of_a_gang_still_starting_does_nothing(runtime):
+    runtime.initialize(groups=_groups(1))
+    with start_together():
+        a = Slow(3.0, remote_group="ta")
+        a.abort("weight sync failed elsewhere")  # no call has run: no rank is stuck
+    assert a.ran()() and a.topology()["restarts"] == 0
+
+
+@pytest.mark.slow
+def test_an_inner_blocks_failure_closes_the_outer_blocks_gangs(runtime):
+    runtime.initialize(groups=_groups(1))
+    with pytest.raises(RuntimeError, match="gang tb/Slow failed to start"):
+        with start_together():
+            a = Healing(2.0, remote_group="ta")
+            with start_together():
+                Slow(fail=True, remote_group="tb")
+    assert a.closed and current().gangs == []
+
+
+@pytest.mark.slow
+def test_an_error_right_after_the_dispatcher_is_made_leaves_nothing(runtime, monkeypatch):
+    from conftest import leftovers
+    from twinkle_ray.runtime.spec import GangSpec
+
+    runtime.initialize(groups=_groups(1))
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt("between the dispatcher's creation and its proxy")
+
+    monkeypatch.setattr(GangSpec, "gang_ref", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Slow(remote_group="ta")
+    monkeypatch.undo()
+    actors, _ = leftovers(timeout_s=5)
+    assert not actors, [a.get("name") for a in actors]

@@ -120,7 +120,7 @@ class Builder:
                 w.start.remote(port, distributed, spec.dist_timeout_s, spec.seed, spec.payload)
                 for w in workers
             ]
-            idents = [w.identity.remote() for w in workers]  # answered right after the start
+            idents = [w.identity.remote() for w in workers]  # (its own concurrency group: at once)
             self._start_waits = (START, dict(enumerate(starts)))
             started = await all_or_first_error(starts)
             self._start_waits = ("the worker actor", dict(enumerate(idents)))

@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ..core import defaults
 from .dispatcher import RemoteDispatcher
 from .progress import wait_with_progress
-from .proxy import GangProxy
+from .proxy import GangProxy, wait_for_gangs
 from .restarts import RebuildLedger, RestartPolicy
 from .sending import put_large, unpicklable
 from .spec import GangSpec
@@ -58,6 +58,7 @@ def create_gang(
             f"{mesh.world_size} but the group has {group.num_devices or group.num_workers} "
             f"{'device' if group.num_devices else 'worker'}(s)"
         )
+    wait_for_gangs(args, kwargs)  # a gang of a start_together() block: its own start error
     why = unpicklable(args, kwargs)  # before anything is claimed or created (DESIGN 8)
     if why is not None:
         raise TypeError(f"{cls.__name__}(remote_group='{group.name}'): {why}")
@@ -122,11 +123,15 @@ def _start(spec: GangSpec, timeout_s: float | None) -> GangProxy:
                                    f"said: {str(e).splitlines()[0]}") from None
             raise
 
-    start = Start(dispatcher.start.remote(), f"start-up of gang {label} ({len(spec.slots)} "
-                  f"worker(s))", timeout_s, finish)
-    # The dispatcher runs on this node (new_dispatcher): its node is known before it answers.
-    here = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
-    return spec.proxy(dispatcher, {"label": label, "dispatcher_node": here}, starting=start)
+    try:
+        start = Start(dispatcher.start.remote(), f"start-up of gang {label} ({len(spec.slots)} "
+                      f"worker(s))", timeout_s, finish)
+        # The dispatcher runs on this node (new_dispatcher): its node is known before it answers.
+        here = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+        return spec.proxy(dispatcher, {"label": label, "dispatcher_node": here}, starting=start)
+    except BaseException:  # (a KeyboardInterrupt, say) nothing of the gang is left
+        ray.kill(dispatcher, no_restart=True)
+        raise
 
 
 def new_dispatcher(spec: GangSpec):

@@ -16,7 +16,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..core.group import DeviceGroup
 from .errors import PlacementError
-from .progress import PROGRESS_EVERY_S, progress_after_s
+from .progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -184,13 +183,11 @@ def reserve(
 
 
 def _wait_ready(pgs: dict[str, PlacementGroup], groups: list[DeviceGroup], timeout_s: float):
-    start = time.monotonic()
+    progress = Progress()
     pending = {pg.ready(): name for name, pg in pgs.items()}
-    next_note = progress_after_s()
     by_name = {g.name: g for g in groups}
     while pending:
-        elapsed = time.monotonic() - start
-        left = timeout_s - elapsed
+        left = timeout_s - progress.elapsed()
         if left <= 0:
             waiting = ", ".join(
                 f"'{n}' ({len(by_name[n].bundles())} x {_fmt(by_name[n].bundles()[0])})"
@@ -204,14 +201,10 @@ def _wait_ready(pgs: dict[str, PlacementGroup], groups: list[DeviceGroup], timeo
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=min(left, 1.0))
         for ref in ready:
             pending.pop(ref)
-        if pending and elapsed >= next_note:
-            logger.warning(
-                "waiting for placement of %s: %.0fs of %.0fs",
-                ", ".join(f"'{n}'" for n in pending.values()),
-                elapsed,
-                timeout_s,
-            )
-            next_note += PROGRESS_EVERY_S
+        if pending:
+            names = ", ".join(f"'{n}'" for n in pending.values())
+            progress.note(lambda s, names=names: f"waiting for placement of {names}: {s:.0f}s of "
+                                                 f"{timeout_s:.0f}s")
 
 
 def resource_options(resource_name: str | None, amount: float, cpus: float) -> dict:

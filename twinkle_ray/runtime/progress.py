@@ -41,27 +41,52 @@ def progress_after_s() -> float:
     return PROGRESS_AFTER_S
 
 
-def wait_with_progress(ref, what: str, timeout_s: float | None) -> Any:
+class Progress:
+    """When one long wait logs its progress lines: the first once it passes
+    :func:`progress_after_s`, then one every ``PROGRESS_EVERY_S``.
+
+    Example::
+
+        progress = Progress()                  # or Progress(began=<time.monotonic() it began>)
+        while not done():
+            progress.note(lambda s: f"start-up of gangs a, b: still waiting after {s:.0f}s")
+    """
+
+    def __init__(self, began: float | None = None):
+        self.began = time.monotonic() if began is None else began
+        self._next = progress_after_s()
+
+    def elapsed(self) -> float:
+        """Seconds since the wait began."""
+        return time.monotonic() - self.began
+
+    def note(self, line) -> None:
+        """Log ``line(elapsed seconds)`` (WARNING) if a progress line is due now."""
+        elapsed = self.elapsed()
+        if elapsed >= self._next:
+            logger.warning("%s", line(elapsed))
+            self._next += PROGRESS_EVERY_S
+
+
+def wait_with_progress(ref, what: str, timeout_s: float | None, began: float | None = None) -> Any:
     """ray.get ``ref``, logging a progress line (WARNING) on a really long wait.
 
     The first line comes after :func:`progress_after_s` (15 s, or
-    ``TWINKLE_PROGRESS_AFTER_S``), then one every ``PROGRESS_EVERY_S``.
+    ``TWINKLE_PROGRESS_AFTER_S``), then one every ``PROGRESS_EVERY_S``. ``began``: when the
+    wait began (``time.monotonic()``; default now), which both the lines and ``timeout_s``
+    count from.
 
     Example::
 
         desc = wait_with_progress(dispatcher.start.remote(), "start-up of gang g/Model", 300)
     """
-    start = time.monotonic()
-    next_note = progress_after_s()
+    progress = Progress(began)
     while True:
-        elapsed = time.monotonic() - start
+        elapsed = progress.elapsed()
         step = 1.0 if timeout_s is None else max(0.0, min(1.0, timeout_s - elapsed))
         ready, _ = ray.wait([ref], timeout=step)
         if ready:
             return ray.get(ref)
-        elapsed = time.monotonic() - start
-        if timeout_s is not None and elapsed >= timeout_s:
+        if timeout_s is not None and progress.elapsed() >= timeout_s:
             raise TimeoutError(f"{what} did not finish within {timeout_s:g}s")
-        if elapsed >= next_note:
-            logger.warning("%s: still waiting after %.0fs", what, elapsed)
-            next_note += PROGRESS_EVERY_S
+        progress.note(lambda s: f"{what}: still waiting after {s:.0f}s")

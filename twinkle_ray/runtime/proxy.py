@@ -86,6 +86,7 @@ class GangProxy:
         # The gang's start-up while it runs (made in a start_together() block; see
         # runtime.together): whatever needs the gang waits for it first. Never pickled.
         self._starting = starting
+        self._start_error: BaseException | None = None  # why that start-up failed
         self._start_lock = threading.Lock()
         self._closed: str | None = None
         # A call saw the gang's dispatcher (the one in ``_gang``) die: the next call rebuilds it
@@ -147,7 +148,10 @@ class GangProxy:
 
     @property
     def backend(self) -> str | None:
-        """The gang's torch.distributed backend at its last (re)build, as its dispatcher said."""
+        """The gang's torch.distributed backend at its last (re)build, as its dispatcher said
+        (a gang still starting: once it is up)."""
+        if self._starting is not None:
+            self.wait_started()
         return self._desc.get("backend")
 
     @property
@@ -163,8 +167,8 @@ class GangProxy:
 
     def wait_started(self) -> None:
         """Wait until the gang is up (only a gang made in a ``start_together()`` block may not
-        be yet). A start-up that failed closes the gang and raises its error, here and once:
-        later uses say the gang is gone.
+        be yet). A start-up that failed closes the gang and raises its error, here and at each
+        later ``wait_started()`` (other uses say the gang is gone).
 
         Example::
 
@@ -172,33 +176,40 @@ class GangProxy:
                 sampler = Sampler(remote_group="sampler")
                 sampler.wait_started()     # this one now; the block's end waits for the rest
         """
-        if self._starting is None:
+        if self._starting is None and self._start_error is None:
             return
         with self._start_lock:  # another thread that needs the gang waits here too
             start = self._starting
-            if start is None:  # that thread saw it through
+            if start is None:  # up, failed, or closed meanwhile
+                if self._start_error is not None:
+                    raise self._start_error
                 return
             try:
-                self._desc = start.result()
+                desc = start.result()
             except BaseException as e:
-                self._starting = None
+                if self._closed:  # closed meanwhile (close(), shutdown()): that is what happened
+                    raise self._gone() from None
+                self._start_error = e
                 self.close(f"its start-up failed: {type(e).__name__}")
                 raise
+            self._desc = desc
             self._starting = None
 
     # -- calls ---------------------------------------------------------------------------------
+    def _gone(self) -> RuntimeError:
+        return RuntimeError(f"gang {self._desc['label']} is gone ({self._closed}); create it "
+                            f"again after twinkle_ray.initialize()")
+
     def _check_open(self) -> None:
-        if self._starting is not None:
+        if not self._closed and self._starting is not None:
             self.wait_started()
         if self._closed:
-            raise RuntimeError(
-                f"gang {self._desc['label']} is gone ({self._closed}); create it again after "
-                f"twinkle_ray.initialize()"
-            )
+            raise self._gone()
 
     def _call(self, name: str, spec: RemoteFunction, args: tuple, kwargs: dict,
               wait_meta: bool = False) -> Any:
         self._check_open()
+        wait_for_gangs(args, kwargs)  # not while pickling them under the turn lock
         if self._lost:
             self._rebuild_dispatcher()
         g = self._gang
@@ -393,6 +404,8 @@ class GangProxy:
 
             trainer.abort("weight sync failed on the sampler", ranks=[0])
         """
+        if self._starting is not None or self._closed:  # no call has run: no rank is stuck
+            return
         try:
             ray.get(self._gang.dispatcher.abort.remote(reason, ranks), timeout=10)
         except Exception:  # the dispatcher is gone: nothing left to tear down
@@ -443,6 +456,7 @@ class GangProxy:
         if self._closed:
             return
         self._closed = reason
+        self._starting = None  # a start-up under way ends with the dispatcher, killed below
         if self._on_close is not None:  # off the runtime's gang table; devices back to the group
             self._on_close()
         d = self._gang.dispatcher
@@ -462,6 +476,15 @@ class GangProxy:
     def __reduce__(self):
         self.wait_started()  # a copy calls the gang as it is once up
         return (GangProxy, (self._cls, self._gang, self._execute, self._lazy_default, self._desc))
+
+
+def wait_for_gangs(args: tuple, kwargs: dict) -> None:
+    """Wait for the start-up of every gang passed (at the top level) as an argument: pickling a
+    proxy waits for it, and should not do so while a lock is held. A start-up that failed raises
+    its own error here."""
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, GangProxy):
+            v.wait_started()
 
 
 class _Previous:

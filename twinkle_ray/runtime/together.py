@@ -43,28 +43,29 @@ _BLOCK: contextvars.ContextVar[list | None] = contextvars.ContextVar("twinkle_st
 
 
 class Start:
-    """One gang's start-up under way: its dispatcher's ``start()`` ref and its deadline.
+    """One gang's start-up under way: its dispatcher's ``start()`` ref, since when, and its
+    ``start_timeout_s`` (None: no bound).
 
     ``finish`` turns the ref's value, or its error, into the gang's description
     or the error the user sees (the gang's creator knows how); it runs once.
     """
 
     def __init__(self, ref: Any, what: str, timeout_s: float | None, finish: Any):
-        self.ref, self.what = ref, what
-        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.ref, self.what, self.timeout_s = ref, what, timeout_s
+        self.began = time.monotonic()
         self._finish = finish
 
     def late(self) -> bool:
         """Whether its ``start_timeout_s`` has passed."""
-        return self.deadline is not None and time.monotonic() >= self.deadline
+        return self.timeout_s is not None and time.monotonic() - self.began >= self.timeout_s
 
     def result(self) -> dict:
         """Wait for the start-up (a progress line on a long wait) and return the gang's
-        description, or raise its error (a TimeoutError past the deadline)."""
+        description, or raise its error (TimeoutError once ``start_timeout_s`` has passed)."""
         from .progress import wait_with_progress
 
-        left = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-        return self._finish(lambda: wait_with_progress(self.ref, self.what, left))
+        return self._finish(lambda: wait_with_progress(self.ref, self.what, self.timeout_s,
+                                                       began=self.began))
 
 
 @contextlib.contextmanager
@@ -102,27 +103,31 @@ def join_or_wait(proxy: Any) -> None:
 
 
 def _wait_all(proxies: list) -> None:
-    """Wait for the start-ups of ``proxies``; the first that fails closes them all and raises."""
-    import ray
-
-    from .progress import PROGRESS_EVERY_S, progress_after_s
-
-    pending = {p.start_under_way.ref: p for p in proxies if p.start_under_way is not None}
-    began = time.monotonic()
-    next_note = progress_after_s()
+    """Wait for the start-ups of ``proxies``, reacting to the first that fails (or runs past its
+    ``start_timeout_s``): that closes them all and raises its error, as does a start-up whose
+    failure another use of the gang met first."""
     try:
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0, fetch_local=False)
-            for ref in ready:
-                pending.pop(ref).wait_started()  # its outcome: the description, or its error
-            for ref, p in list(pending.items()):
-                if p.start_under_way.late():
-                    pending.pop(ref).wait_started()  # raises its TimeoutError
-            waited = time.monotonic() - began
-            if pending and waited >= next_note:
-                logger.warning("start-up of gangs %s: still waiting after %.0fs",
-                               ", ".join(p.label for p in pending.values()), waited)
-                next_note += PROGRESS_EVERY_S
+        pending = {p.start_under_way.ref: p for p in proxies if p.start_under_way is not None}
+        if pending:
+            import ray
+
+            from .progress import Progress
+
+            progress = Progress()
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0, fetch_local=False)
+                for ref in ready:
+                    pending.pop(ref).wait_started()  # the description, or the start-up's error
+                for ref, p in list(pending.items()):  # closed meanwhile, or late: settled now
+                    start = p.start_under_way
+                    if start is None or start.late():
+                        pending.pop(ref).wait_started()
+                if pending:
+                    names = ", ".join(p.label for p in pending.values())
+                    progress.note(lambda s, names=names: f"start-up of gangs {names}: still "
+                                                         f"waiting after {s:.0f}s")
+        for p in proxies:
+            p.wait_started()  # a start-up that failed where another use met it first raises here
     except BaseException as e:
         _close(proxies, f"another gang of its start_together() block did not start "
                         f"({type(e).__name__})")
