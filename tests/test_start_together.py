@@ -184,12 +184,13 @@ def test_a_failure_another_thread_met_first_still_fails_the_block(runtime):
 
 
 @pytest.mark.slow
-def test_a_gang_that_failed_to_start_passed_on_raises_its_own_error(runtime):
+@pytest.mark.parametrize("nested", [False, True], ids=["top-level", "in-a-list"])
+def test_a_gang_that_failed_to_start_passed_on_raises_its_own_error(runtime, nested):
     runtime.initialize(groups=_groups(1))
     with pytest.raises(RuntimeError, match="gang ta/Slow failed to start"):
         with start_together():
             a = Slow(fail=True, remote_group="ta")
-            Holder(a, remote_group="tb")  # not "cannot be pickled"
+            Holder([a] if nested else a, remote_group="tb")  # not "cannot be pickled"
     assert current().gangs == []
 
 
@@ -244,3 +245,69 @@ def test_an_error_right_after_the_dispatcher_is_made_leaves_nothing(runtime, mon
     monkeypatch.undo()
     actors, _ = leftovers(timeout_s=5)
     assert not actors, [a.get("name") for a in actors]
+
+
+def _starting_proxy(error: BaseException):
+    """A proxy whose start-up ends in ``error`` (no Ray: stand-ins for the gang and its start)."""
+    from types import SimpleNamespace
+
+    from twinkle_ray.runtime.proxy import GangProxy
+    from twinkle_ray.runtime.together import Start
+
+    def finish(wait):
+        raise error
+
+    start = Start(None, "start-up of gang g/Slow (1 worker(s))", None, finish)
+    gang = SimpleNamespace(dispatcher=None, group="g", cls_name="Slow", n_workers=1)
+    return GangProxy(Slow, gang, "all", True, {"label": "g/Slow"}, starting=start)
+
+
+def test_a_ctrl_c_while_waiting_is_not_kept_as_the_gangs_error():
+    p = _starting_proxy(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        p.wait_started()
+    assert p.closed == "its start-up failed: KeyboardInterrupt"
+    p.wait_started()  # no phantom Ctrl-C later (pickling the proxy, passing it on)
+    with pytest.raises(RuntimeError, match=r"gang g/Slow is gone \(its start-up failed"):
+        p._check_open()
+
+
+def test_a_start_error_is_raised_again_with_a_fresh_traceback():
+    import traceback
+
+    p = _starting_proxy(ValueError("no constructor today"))
+    depths = []
+    for _ in range(3):
+        with pytest.raises(ValueError, match="no constructor today") as info:
+            p.wait_started()
+        depths.append(len(traceback.extract_tb(info.value.__traceback__)))
+    assert depths[1] == depths[2], depths  # not one frame more at each raise
+
+
+def test_a_task_that_outlives_its_block_makes_gangs_that_wait():
+    """A task created in the block copies the context: after the block's end it must not
+    leave a gang unstarted in the ended block (no Ray: a stand-in proxy)."""
+    import asyncio
+
+    from twinkle_ray.runtime.together import join_or_wait
+
+    class Stand:
+        waited = False
+
+        def wait_started(self):
+            self.waited = True
+
+    made = Stand()
+
+    async def main():
+        with start_together():
+            task = asyncio.get_running_loop().create_task(asyncio.sleep(0.05))
+            later = asyncio.get_running_loop().create_task(_after(task))
+        await later
+
+    async def _after(task):
+        await task  # the block has ended by now
+        join_or_wait(made)
+
+    asyncio.run(main())
+    assert made.waited

@@ -183,7 +183,7 @@ def reserve(
 
 
 def _wait_ready(pgs: dict[str, PlacementGroup], groups: list[DeviceGroup], timeout_s: float):
-    progress = Progress()
+    progress = Progress(log=logger)
     pending = {pg.ready(): name for name, pg in pgs.items()}
     by_name = {g.name: g for g in groups}
     while pending:

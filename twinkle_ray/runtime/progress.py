@@ -47,14 +47,15 @@ class Progress:
 
     Example::
 
-        progress = Progress()                  # or Progress(began=<time.monotonic() it began>)
+        progress = Progress(log=logger)        # or Progress(began=<time.monotonic() it began>)
         while not done():
             progress.note(lambda s: f"start-up of gangs a, b: still waiting after {s:.0f}s")
     """
 
-    def __init__(self, began: float | None = None):
+    def __init__(self, began: float | None = None, log: logging.Logger = logger):
         self.began = time.monotonic() if began is None else began
         self._next = progress_after_s()
+        self._log = log  # the waiting module's logger
 
     def elapsed(self) -> float:
         """Seconds since the wait began."""
@@ -64,7 +65,7 @@ class Progress:
         """Log ``line(elapsed seconds)`` (WARNING) if a progress line is due now."""
         elapsed = self.elapsed()
         if elapsed >= self._next:
-            logger.warning("%s", line(elapsed))
+            self._log.warning("%s", line(elapsed))
             self._next += PROGRESS_EVERY_S
 
 

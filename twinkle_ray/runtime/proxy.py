@@ -39,7 +39,7 @@ from .progress import wait_with_progress
 from .restarts import RebuildLedger, RestartPolicy
 from .sending import _nbytes, put_large, sent_by_value, strip_own_gang, unpicklable
 from .sequencer import SETTLED
-from .together import Start
+from .together import Start, StartFailed
 
 logger = logging.getLogger(__name__)
 
@@ -181,15 +181,16 @@ class GangProxy:
         with self._start_lock:  # another thread that needs the gang waits here too
             start = self._starting
             if start is None:  # up, failed, or closed meanwhile
-                if self._start_error is not None:
-                    raise self._start_error
+                if self._start_error is not None:  # (a fresh traceback each time, not a longer one)
+                    raise self._start_error.with_traceback(None)
                 return
             try:
                 desc = start.result()
             except BaseException as e:
                 if self._closed:  # closed meanwhile (close(), shutdown()): that is what happened
                     raise self._gone() from None
-                self._start_error = e
+                if isinstance(e, Exception):  # not a Ctrl-C: that is not the gang's error
+                    self._start_error = e
                 self.close(f"its start-up failed: {type(e).__name__}")
                 raise
             self._desc = desc
@@ -474,7 +475,10 @@ class GangProxy:
         return f"<{self._cls.__name__} gang '{self._desc['label']}' x{self._gang.n_workers}{state}>"
 
     def __reduce__(self):
-        self.wait_started()  # a copy calls the gang as it is once up
+        try:
+            self.wait_started()  # a copy calls the gang as it is once up
+        except Exception as e:
+            raise StartFailed(e) from None
         return (GangProxy, (self._cls, self._gang, self._execute, self._lazy_default, self._desc))
 
 

@@ -20,6 +20,7 @@ import cloudpickle
 import ray
 
 from .lazy import GangRef, LazyResult, traveling
+from .together import StartFailed
 
 PUT_THRESHOLD_BYTES = 64 * 1024
 
@@ -91,6 +92,8 @@ def unpicklable(args: tuple, kwargs: dict) -> str | None:
                     *((f"argument '{k}'", v) for k, v in kwargs.items())]:
         try:
             cloudpickle.dumps(v)
+        except StartFailed as e:  # a gang in it failed to start: that is the error
+            raise e.error from None
         except Exception as e:
             return f"{name} of type {type(v).__name__} cannot be pickled: {e}"
     return None

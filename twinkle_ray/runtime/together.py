@@ -37,9 +37,29 @@ from typing import Any
 # not import it, so the pure core stays importable without it.
 logger = logging.getLogger(__name__)
 
-# The gangs made in the innermost open start_together() block of this context (None: none open).
-_BLOCK: contextvars.ContextVar[list | None] = contextvars.ContextVar("twinkle_start_together",
-                                                                    default=None)
+
+class _Block:
+    """The gangs made in one start_together() block, while it is open. (A task created in the
+    block copies the context, so it can outlive the block and still see it: it must find it
+    closed.)"""
+
+    def __init__(self):
+        self.made: list = []
+        self.open = True
+
+
+# The innermost start_together() block of this context (None: none).
+_BLOCK: contextvars.ContextVar[_Block | None] = contextvars.ContextVar("twinkle_start_together",
+                                                                      default=None)
+
+
+class StartFailed(Exception):
+    """Pickling a gang whose start-up failed raises this, carrying that error (``error``), so
+    code that names what cannot be pickled (``sending.unpicklable``) raises the error itself."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
 
 
 class Start:
@@ -80,26 +100,27 @@ def start_together() -> Iterator[None]:
             sampler = Sampler(remote_group="sampler")
         out = sampler.generate(prompts)   # both are up
     """
-    made: list = []
-    token = _BLOCK.set(made)
+    block = _Block()
+    token = _BLOCK.set(block)
     try:
         yield
     except BaseException:
-        _close(made, "its start_together() block raised")
+        _close(block.made, "its start_together() block raised")
         raise
     finally:
+        block.open = False
         _BLOCK.reset(token)
-    _wait_all(made)
+    _wait_all(block.made)
 
 
 def join_or_wait(proxy: Any) -> None:
     """A gang just made: left to start in the open start_together() block, if any, else
     waited for now (a failed start-up closes it and raises)."""
     block = _BLOCK.get()
-    if block is None:
+    if block is None or not block.open:
         proxy.wait_started()
     else:
-        block.append(proxy)
+        block.made.append(proxy)
 
 
 def _wait_all(proxies: list) -> None:
@@ -113,7 +134,7 @@ def _wait_all(proxies: list) -> None:
 
             from .progress import Progress
 
-            progress = Progress()
+            progress = Progress(log=logger)
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0, fetch_local=False)
                 for ref in ready:
