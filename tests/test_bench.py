@@ -144,3 +144,18 @@ def test_b4_payload_never_passes_driver_or_dispatcher(report):
     assert b4["twinkle_bytes_to_consumers"] == total  # the tracer saw the payload arrive
     assert b4["raw_bytes_via_driver"] == 0 and b4["raw_bytes_to_consumers"] == total
     assert b4["tracer_self_check_bytes"] == total // 4  # and would have seen a driver fetch
+
+
+@pytest.mark.slow
+def test_b6_paths_times_both_paths_and_raw_at_every_size(runtime):
+    """bench.b6_paths (run by hand, like the peer bench): a tiny run on the session's Ray gives
+    positive medians for both paths and raw Ray at each size, and a slope for each."""
+    from bench import b6_paths
+
+    out = b6_paths.run([1, 2], repeats=2)
+    assert sorted(out["medians_ms"]) == [1, 2]
+    for row in out["medians_ms"].values():
+        assert set(row) == {"lazy then get", "eager", "raw"}
+        assert all(v > 0 for v in row.values()), row
+    assert set(out["slopes_ms_per_worker"]) == {"lazy then get", "eager", "raw"}
+    assert all(math.isfinite(v) for v in out["slopes_ms_per_worker"].values())
