@@ -9,7 +9,9 @@ actor in the test namespace and no placement group of ours.
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import time
 
 # Ray binds every service to loopback (read when ray is imported: before that, here). Ray 2.60 has
@@ -46,6 +48,61 @@ def ray_session():
         )
     yield ray
     ray.shutdown()
+
+
+# ------------------------------------------------------------------ a worker that died by itself
+# "The actor is dead because its worker process has died ... End of file" names no cause: the
+# cause (a segfault, an abort, a failed thread start) is in that worker's own log files. When a
+# test fails so, its report gets their tails, so a CI run that meets it can be read afterwards.
+DIED = re.compile(r"worker process has died|Worker unexpectedly exits")
+CRASH = re.compile(r"Fatal Python error|Check failed|\*\*\* SIG|Segmentation fault|"
+                   r"Unhandled exception|Resource temporarily unavailable|terminate called|"
+                   r"Stack trace|MemoryError")
+
+
+def dead_worker_logs(text: str, logs_dir: str, lines: int = 40) -> str:
+    """The tails of the log files of every worker whose pid ``text`` names ("Worker PID: N",
+    "pid=N"), the crash markers in the worker logs written in the last 10 minutes, and the
+    machine's free memory."""
+    pids = set(re.findall(r"Worker PID: (\d+)|pid=(\d+)", text))
+    pids = {p for pair in pids for p in pair if p}
+    out = []
+    for pid in sorted(pids):
+        for path in sorted(glob.glob(os.path.join(logs_dir, f"*[-_]{pid}.*"))):
+            with open(path, errors="replace") as f:
+                tail = f.readlines()[-lines:]
+            out.append(f"--- {path} (last {len(tail)} lines)\n{''.join(tail)}")
+    recent = [p for p in glob.glob(os.path.join(logs_dir, "*worker*"))
+              if time.time() - os.path.getmtime(p) < 600]  # this test's, not the session's
+    for path in sorted(recent, key=os.path.getmtime)[-200:]:
+        with open(path, errors="replace") as f:
+            hits = [line for line in f if CRASH.search(line) and "common causes" not in line]
+        if hits:
+            out.append(f"--- crash markers in {path}\n{''.join(hits[-lines:])}")
+    with open("/proc/meminfo") as f:
+        out.append("--- " + ", ".join(" ".join(line.split()) for line in f
+                                      if line.startswith(("MemTotal", "MemAvailable"))))
+    return "\n".join(out)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if not report.failed:
+        return
+    text = "\n".join([str(report.longrepr)] + [body for _, body in report.sections])
+    if not DIED.search(text):
+        return
+    import ray
+
+    if not ray.is_initialized():
+        return
+    ctx = ray.get_runtime_context()
+    logs = os.path.join(ctx.get_temp_dir(), ctx.get_session_name(), "logs")
+    try:
+        report.sections.append(("dead worker logs", dead_worker_logs(text, logs)))
+    except OSError as e:  # a diagnosis, never a second failure
+        report.sections.append(("dead worker logs", f"could not read {logs}: {e}"))
 
 
 def load_example(path, name: str):
