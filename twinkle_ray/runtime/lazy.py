@@ -31,6 +31,7 @@ from ray.exceptions import (
     GetTimeoutError,
     ObjectFetchTimedOutError,
     ObjectLostError,
+    OwnerDiedError,
     RayActorError,
     RaySystemError,
     RayTaskError,
@@ -135,7 +136,8 @@ class GangRef:
                                kind="dispatcher")
 
     def death_error(self, exc: BaseException, rank: int | None,
-                    on_lost: Callable[[GangRef], None] | None = None) -> WorkerDiedError:
+                    on_lost: Callable[[GangRef], None] | None = None,
+                    method: str = "") -> WorkerDiedError:
         """The WorkerDiedError for a failed ref: the dispatcher's record of the first death.
 
         The dispatcher classifies by ``exc.actor_id`` (Ray's structured field) against its own
@@ -143,8 +145,16 @@ class GangRef:
         call took as an input, so Ray failed the call before it ran) is named as that worker's,
         not this gang's. An unreachable worker (ActorUnavailableError) is waited on until the
         dispatcher tells an outage from a lost node. A dead dispatcher is named as such, and
-        ``on_lost(self)`` is told (the proxy that made the call may rebuild it).
+        ``on_lost(self)`` is told (the proxy that made the call may rebuild it). So is the
+        owner of an output a consumer could not read (a routed input names its producer only,
+        without its dispatcher): that output's ``method`` and its owner, the dispatcher that
+        sent its task, which died (also when a new one has rebuilt the gang since).
         """
+        if self.dispatcher is None and isinstance(exc, OwnerDiedError):
+            lost = f"the outputs of {self.cls_name}.{method}() " if method else "its outputs "
+            return WorkerDiedError(self.group, self.cls_name, None, None,
+                                   f"{lost}were owned by it and are lost with it (Ray: "
+                                   f"the object's owner has exited)", kind="dispatcher")
         wait = OUTAGE_WAIT_S if isinstance(exc, ActorUnavailableError) else 2.0
         actor_id = getattr(exc, "actor_id", None)
         if self.dispatcher is not None:
@@ -209,7 +219,7 @@ def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: f
         # An output whose owner (the dispatcher) or whose node died is lost with it: a death too.
         if isinstance(e, RayActorError | ObjectLostError) or isinstance(getattr(e, "cause", None),
                                                                          RayActorError):
-            raise gang.death_error(e, rank, on_lost) from None
+            raise gang.death_error(e, rank, on_lost, method) from None
     for rank, e in failures:  # an output of this call not found in time (a rank's own raise of
         # it, fetching its inputs, is that rank's error: below)
         if isinstance(e, ObjectFetchTimedOutError) and not isinstance(e, RayTaskError):
