@@ -294,9 +294,12 @@ class GangProxy:
             return
         if self._budget is not None:
             self._budget.catch_up()
-        self._desc = wait_with_progress(
-            self._gang.dispatcher.restart.remote(), f"restart of gang {self._desc['label']}", timeout
-        )
+        g = self._gang
+        desc = wait_with_progress(g.dispatcher.restart.remote(), f"restart of gang {self._desc['label']}",
+                                  timeout)
+        with self._turn_lock:  # not over a new dispatcher's description (another thread's respawn)
+            if self._gang is g:
+                self._desc = desc
 
     def save_state(self, path: str | None = None, timeout: float | None = None) -> None:
         """Save every rank's ``state_dict()``; after a rebuild each rank gets it back.
