@@ -12,13 +12,17 @@ rounds in balanced orders (:func:`bench.timing.compare_many`), medians printed:
 - **gets**: an async actor fans a no-op out to N plain actors and awaits the N
   results on its event loop (``asyncio.gather``) or with one ``ray.get`` in a
   helper thread (what ``aio.ThreadedGets`` does), N = 4 and 32, beside the
-  driver doing the fan-out itself (raw Ray);
+  driver doing the fan-out itself (raw Ray); and the whole fan-out (submits and
+  the get) run in the helper thread, and by a plain (not async) actor: where
+  the per-worker cost of an actor's fan-out comes from;
 - **heads**: the same actor fans 32 tasks out whose one argument is the call's
   head, as a tuple ``('noop', seq, 0)`` (what worker tasks carried before the
-  eighth session), as one str ``'noop/seq/0'`` (what they carry now), as a bare
-  str, and as an int; each round awaits the 32 results with one ``ray.get``.
+  eighth session), as one str ``'noop/seq/0'`` (what they carried until the
+  eleventh), as a bare str, as an int, as bytes ``b'noop/seq/0'`` (what they
+  carry now), and no argument at all (what a raw Ray no-op carries); each
+  round awaits the 32 results with one ``ray.get``.
 
-BENCHMARKS.md (seventh and eighth sessions) has runs' figures.
+BENCHMARKS.md (seventh, eighth and eleventh sessions) has runs' figures.
 """
 
 from __future__ import annotations
@@ -67,11 +71,30 @@ class Probe:
         refs = [a.noop.remote() for a in self.actors[:n]]
         return await asyncio.get_running_loop().run_in_executor(self.pool, ray.get, refs)
 
+    async def fan_out_in_thread(self, n: int) -> list:
+        def fan_out():
+            return ray.get([a.noop.remote() for a in self.actors[:n]])
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fan_out)
+
     async def heads(self, kind: str, seq: int) -> list:
         head = {"tuple": ("noop", seq, 0), "str": f"noop/{seq}/0", "bare str": "noop",
-                "int": seq}[kind]
-        refs = [a.run.remote(head) for a in self.actors]
+                "int": seq, "bytes": f"noop/{seq}/0".encode()}.get(kind)
+        if kind == "none":
+            refs = [a.noop.remote() for a in self.actors]
+        else:
+            refs = [a.run.remote(head) for a in self.actors]
         return await asyncio.get_running_loop().run_in_executor(self.pool, ray.get, refs)
+
+
+@ray.remote(num_cpus=0)
+class SyncProbe:
+    """A plain actor fanning out: no event loop between its submits."""
+
+    def __init__(self, actors: list):
+        self.actors = actors
+
+    def fan_out(self, n: int) -> list:
+        return ray.get([a.noop.remote() for a in self.actors[:n]])
 
 
 def _medians(samples: dict[str, list[float]]) -> dict[str, float]:
@@ -87,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         actors = [Plain.remote() for _ in range(32)]
         ray.get([a.noop.remote() for a in actors])
         probe = Probe.options(max_concurrency=1000).remote(actors)
+        plain = SyncProbe.remote(actors)
         prev = [ray.put(None)]
         args_ms = _medians(compare_many({
             "nine task arguments": lambda: ray.get(probe.nine.remote(*FIELDS)),
@@ -98,18 +122,20 @@ def main(argv: list[str] | None = None) -> None:
         print("arguments of an async actor's call, round trip (ms):")
         for k, v in args_ms.items():
             print(f"  {k:28} {v:7.3f}")
-        for n in (4, 32):
+        for n in (4, 16, 32):
             gets_ms = _medians(compare_many({
                 "asyncio.gather": lambda n=n: ray.get(probe.gathered.remote(n)),
                 "one ray.get in a thread": lambda n=n: ray.get(probe.one_get.remote(n)),
                 "raw Ray from the driver": lambda n=n: ray.get([a.noop.remote() for a in actors[:n]]),
+                "fan-out in a thread": lambda n=n: ray.get(probe.fan_out_in_thread.remote(n)),
+                "fan-out by a plain actor": lambda n=n: ray.get(plain.fan_out.remote(n)),
             }, repeats=max(args.rounds // 10, 10), warmup=3))
             print(f"an actor awaiting {n} no-op results (ms):")
             for k, v in gets_ms.items():
                 print(f"  {k:28} {v:7.3f}")
         heads_ms = _medians(compare_many({
             kind: lambda kind=kind: ray.get(probe.heads.remote(kind, 7))
-            for kind in ("tuple", "str", "bare str", "int")
+            for kind in ("tuple", "str", "bare str", "int", "bytes", "none")
         }, repeats=max(args.rounds // 5, 10), warmup=3))
         print("an actor's 32 tasks, by the head each carries (ms per round):")
         for k, v in heads_ms.items():

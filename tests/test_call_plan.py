@@ -15,7 +15,7 @@ from twinkle_ray.runtime.routing import _with_aligned_slots, call_targets, needs
 def test_worker_call_round_trips_through_the_task_form():
     call = WorkerCall("forward", 3, ("len0", "own"), (1, [2]), {"k": 4})
     args = call.task_args()
-    assert args[0] == "forward/3/2"  # one str head: Ray carries it cheaper than a tuple
+    assert args[0] == b"forward/3/2"  # one bytes head: Ray carries it cheaper than a str
     assert WorkerCall.from_task(args[0], args[1:], call.kwargs) == call
     unnumbered = WorkerCall("__next__", None, (), (), {})
     assert WorkerCall.from_task(unnumbered.task_args()[0], (), {}) == unnumbered

@@ -22,20 +22,22 @@ A call reaches a worker as one actor task carrying five fields:
 
 It travels flattened, so that Ray resolves the ``lead`` refs as top-level
 task arguments before the task runs (the transfer is Ray's, as with raw
-direct ref passing), behind one string head ``'method/seq/len(lead)'``::
+direct ref passing), behind one head, the bytes ``b'method/seq/len(lead)'``::
 
-    worker.run.remote(f"{method}/{seq}/{len(lead)}", *lead, *args, **kwargs)
+    worker.run.remote(f"{method}/{seq}/{len(lead)}".encode(), *lead, *args, **kwargs)
 
-Ray carries a str argument far cheaper than a tuple or an int (measured on 32
-tasks: a tuple head cost ~0.4 ms per task more than a str; BENCHMARKS.md,
-eighth session), and a method name holds no ``/``.
+Every task argument costs: Ray serialises each one on its own. Measured on an
+actor's 32 tasks (``python -m bench.probes``, BENCHMARKS.md, eighth and
+eleventh sessions), the head costs ~0.18 ms per task against none at all; as
+bytes ~0.05 ms less than as a str, which costs less than an int or a tuple.
+A method name holds no ``/``.
 
 Example::
 
     >>> call = WorkerCall("forward", 7, (), ([1, 2],), {})
     >>> call.task_args()
-    ('forward/7/0', [1, 2])
-    >>> WorkerCall.from_task("forward/7/0", ([1, 2],), {}) == call
+    (b'forward/7/0', [1, 2])
+    >>> WorkerCall.from_task(b"forward/7/0", ([1, 2],), {}) == call
     True
 """
 
@@ -77,13 +79,15 @@ class WorkerCall:
 
     def task_args(self) -> tuple:
         """The positional arguments of the task form: ``(head, *lead, *args)``; kwargs travel as
-        keyword arguments. The head is ``'method/seq/len(lead)'`` (one str: see above)."""
-        return (f"{self.method}/{self.seq}/{len(self.lead)}", *self.lead, *self.args)
+        keyword arguments. The head is ``b'method/seq/len(lead)'`` (bytes: see above)."""
+        return (f"{self.method}/{self.seq}/{len(self.lead)}".encode(), *self.lead, *self.args)
 
     @classmethod
-    def from_task(cls, head: str, args: tuple, kwargs: dict) -> WorkerCall:
-        """Rebuild the message from a task's arguments; ``head`` may be a bare method name
-        (no sequence number, no leading values)."""
+    def from_task(cls, head: bytes | str, args: tuple, kwargs: dict) -> WorkerCall:
+        """Rebuild the message from a task's arguments; ``head`` (bytes, or a str when called by
+        hand) may be a bare method name (no sequence number, no leading values)."""
+        if type(head) is bytes:
+            head = head.decode()
         method, sep, rest = head.partition("/")
         if not sep:
             return cls(head, None, (), tuple(args), dict(kwargs))

@@ -191,11 +191,11 @@ class GangWorker:
         )
         return backend
 
-    def run(self, call: str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    def run(self, call: bytes | str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """The task form of a call (see :mod:`~twinkle_ray.runtime.message`); returns
         (result, meta).
 
-        ``call`` is the method name, or the head ``'name/seq/n'`` of a
+        ``call`` is the method name, or the head ``b'name/seq/n'`` of a
         :class:`~twinkle_ray.runtime.message.WorkerCall`: the first n positional
         arguments are then its leading values (resolved by Ray before this task
         ran). meta is the result's batch length (used to route it lazily), None
@@ -203,18 +203,18 @@ class GangWorker:
         """
         return self._execute(WorkerCall.from_task(call, args, kwargs))
 
-    def run_balanced(self, call: str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    def run_balanced(self, call: bytes | str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """The task form of a ``dispatch='balance'`` call: this rank's loop over the chunks the
         dispatcher hands its data-parallel group (:func:`~twinkle_ray.runtime.balance.run_chunks`);
         returns (its results concatenated, its positions record)."""
         msg = WorkerCall.from_task(call, args, kwargs)
         return self._execute(msg, invoke=lambda *a: balance.run_chunks(self, msg.seq, *a))[0]
 
-    def _execute(self, call: WorkerCall, invoke=None) -> tuple[Any, Any]:
+    def _execute(self, call: WorkerCall, invoke=None, meta: bool = True) -> tuple[Any, Any]:
         """Run one call on the instance; (result, meta). A failure is reported to the dispatcher
         before it is raised, so the dispatcher can tell whether peers are left stuck in a
         collective. ``invoke(instance, method, args, kwargs)``: how the method is run (default:
-        called once)."""
+        called once). ``meta``: whether the caller uses the result's meta (else it is None)."""
         method, seq = call.method, call.seq
         self.current = seq
         m, t0, nbytes, failed = self.metrics, None, 0, True
@@ -244,17 +244,17 @@ class GangWorker:
                 m.ran(method, None if t0 is None else time.perf_counter() - t0, nbytes, failed)
         if result is self.instance:  # e.g. __iter__ returning self: keep it here
             return None, None
-        return result, _meta(result)
+        return result, _meta(result) if meta else None
 
-    def run_value(self, call: str, *args: Any, **kwargs: Any) -> Any:
+    def run_value(self, call: bytes | str, *args: Any, **kwargs: Any) -> Any:
         """``run`` without the length record: for calls whose outputs are never sliced by length."""
-        return self.run(call, *args, **kwargs)[0]
+        return self._execute(WorkerCall.from_task(call, args, kwargs), meta=False)[0]
 
-    def run_inline(self, call: str, *args: Any, **kwargs: Any) -> Any:
+    def run_inline(self, call: bytes | str, *args: Any, **kwargs: Any) -> Any:
         """``run_value`` for an eager call: a result that is not certainly small plain data
         stays in this worker's object store (:func:`~twinkle_ray.runtime.inline.hold_unless_small`),
         so the dispatcher, which replies with the values, never holds payload."""
-        return hold_unless_small(self.run(call, *args, **kwargs)[0])
+        return hold_unless_small(self._execute(WorkerCall.from_task(call, args, kwargs), meta=False)[0])
 
     def _report(self, seq: int | None, method: str, error: BaseException) -> None:
         d = self.info.dispatcher
