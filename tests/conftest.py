@@ -9,6 +9,7 @@ actor in the test namespace and no placement group of ours.
 
 from __future__ import annotations
 
+import collections
 import glob
 import os
 import re
@@ -60,28 +61,40 @@ CRASH = re.compile(r"Fatal Python error|Check failed|\*\*\* SIG|Segmentation fau
                    r"Stack trace|MemoryError")
 
 
+def _tail(path: str, lines: int) -> list[str]:
+    with open(path, errors="replace") as f:
+        return list(collections.deque(f, maxlen=lines))
+
+
 def dead_worker_logs(text: str, logs_dir: str, lines: int = 40) -> str:
-    """The tails of the log files of every worker whose pid ``text`` names ("Worker PID: N",
-    "pid=N"), the crash markers in the worker logs written in the last 10 minutes, and the
-    machine's free memory."""
-    pids = set(re.findall(r"Worker PID: (\d+)|pid=(\d+)", text))
-    pids = {p for pair in pids for p in pair if p}
+    """The tails of the log files of every worker whose pid ``text`` names (the raylet's
+    "Worker PID: N", Ray's "pid: N" or "pid=N"), the crash markers in the worker logs written
+    in the last 10 minutes (the failed test's, and any other test's in that time), and the
+    machine's free memory. Never raises: what cannot be read is said."""
+    pids = {p for found in re.findall(r"Worker PID: (\d+)|\bpid: (\d+)|\bpid=(\d+)", text)
+            for p in found if p}
     out = []
-    for pid in sorted(pids):
-        for path in sorted(glob.glob(os.path.join(logs_dir, f"*[-_]{pid}.*"))):
+    try:
+        for pid in sorted(pids):
+            for path in sorted(glob.glob(os.path.join(logs_dir, f"*[-_]{pid}.*"))):
+                tail = _tail(path, lines)
+                out.append(f"--- {path} (last {len(tail)} lines)\n{''.join(tail)}")
+        now = time.time()
+        recent = [p for p in glob.glob(os.path.join(logs_dir, "*worker*"))
+                  if now - os.path.getmtime(p) < 600]
+        for path in sorted(recent, key=os.path.getmtime)[-200:]:
             with open(path, errors="replace") as f:
-                tail = f.readlines()[-lines:]
-            out.append(f"--- {path} (last {len(tail)} lines)\n{''.join(tail)}")
-    recent = [p for p in glob.glob(os.path.join(logs_dir, "*worker*"))
-              if time.time() - os.path.getmtime(p) < 600]  # this test's, not the session's
-    for path in sorted(recent, key=os.path.getmtime)[-200:]:
-        with open(path, errors="replace") as f:
-            hits = [line for line in f if CRASH.search(line) and "common causes" not in line]
-        if hits:
-            out.append(f"--- crash markers in {path}\n{''.join(hits[-lines:])}")
-    with open("/proc/meminfo") as f:
-        out.append("--- " + ", ".join(" ".join(line.split()) for line in f
-                                      if line.startswith(("MemTotal", "MemAvailable"))))
+                hits = [line for line in f if CRASH.search(line) and "common causes" not in line]
+            if hits:
+                out.append(f"--- crash markers in {path}\n{''.join(hits[-lines:])}")
+    except Exception as e:  # a diagnosis, never a second failure
+        out.append(f"--- could not read {logs_dir}: {type(e).__name__}: {e}")
+    try:
+        with open("/proc/meminfo") as f:
+            out.append("--- " + ", ".join(" ".join(line.split()) for line in f
+                                          if line.startswith(("MemTotal", "MemAvailable"))))
+    except OSError:  # no /proc (macOS)
+        pass
     return "\n".join(out)
 
 
@@ -93,16 +106,16 @@ def pytest_runtest_makereport(item, call):
     text = "\n".join([str(report.longrepr)] + [body for _, body in report.sections])
     if not DIED.search(text):
         return
-    import ray
-
-    if not ray.is_initialized():
-        return
-    ctx = ray.get_runtime_context()
-    logs = os.path.join(ctx.get_temp_dir(), ctx.get_session_name(), "logs")
     try:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        ctx = ray.get_runtime_context()
+        logs = os.path.join(ctx.get_temp_dir(), ctx.get_session_name(), "logs")
         report.sections.append(("dead worker logs", dead_worker_logs(text, logs)))
-    except OSError as e:  # a diagnosis, never a second failure
-        report.sections.append(("dead worker logs", f"could not read {logs}: {e}"))
+    except Exception as e:  # a diagnosis, never a second failure (nor a pytest INTERNALERROR)
+        report.sections.append(("dead worker logs", f"not available: {type(e).__name__}: {e}"))
 
 
 def load_example(path, name: str):
