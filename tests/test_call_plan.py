@@ -73,8 +73,8 @@ def test_lookup_returns_a_proxy_like_the_original(ray_session):
 def test_docstring_examples():
     import doctest
 
-    from twinkle_ray.runtime import message, routing
+    from twinkle_ray.runtime import errors, message, routing
 
-    for module in (message, routing):
+    for module in (errors, message, routing):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0, module.__name__

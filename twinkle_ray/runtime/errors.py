@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -210,11 +211,15 @@ def classify_death(exc: BaseException, table: Mapping[str, tuple[int, str | None
 
 def death_cause(exc: BaseException) -> str:
     """A short human account of an actor's death, for error messages only (never classified).
+    The worker's pid, when Ray names it, comes along: its log files in the session's
+    ``logs/`` directory carry it in their names.
 
     >>> from ray.exceptions import RayActorError
     >>> death_cause(RayActorError("a1", "The actor died...\\n\\tpid: 7\\nThe actor is dead because "
     ...                              "it was killed by `ray.kill`."))
-    'The actor is dead because it was killed by `ray.kill`.'
+    'The actor is dead because it was killed by `ray.kill` (pid 7).'
+    >>> death_cause(RayActorError("a1", "The actor is dead because its worker process has died."))
+    'The actor is dead because its worker process has died.'
     """
     text = str(exc)
     lines = [s.strip() for s in text.splitlines() if s.strip()]
@@ -222,7 +227,12 @@ def death_cause(exc: BaseException) -> str:
                  lines[0] if lines else f"{type(exc).__name__}")
     for marker in (" Some common causes include", " If the process was killed"):
         cause = cause.split(marker)[0]
-    return cause[:400]
+    cause = cause[:400]
+    pid = re.search(r"\bpid: (\d+)", text)
+    if pid and f"pid {pid.group(1)}" not in cause:
+        stop = "." if cause.endswith(".") else ""
+        cause = f"{cause.rstrip('.')} (pid {pid.group(1)}){stop}"
+    return cause
 
 
 def cause_text(e: BaseException) -> str:
