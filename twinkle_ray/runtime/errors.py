@@ -211,28 +211,29 @@ def classify_death(exc: BaseException, table: Mapping[str, tuple[int, str | None
 
 def death_cause(exc: BaseException) -> str:
     """A short human account of an actor's death, for error messages only (never classified).
-    The worker's pid, when Ray names it, comes along: its log files in the session's
-    ``logs/`` directory carry it in their names.
+    The dead actor's pid, from the ``pid:`` line of Ray's own account above the cause, comes
+    along: its log files in the session's ``logs/`` directory carry it in their names.
 
     >>> from ray.exceptions import RayActorError
     >>> death_cause(RayActorError("a1", "The actor died...\\n\\tpid: 7\\nThe actor is dead because "
     ...                              "it was killed by `ray.kill`."))
-    'The actor is dead because it was killed by `ray.kill` (pid 7).'
+    'The actor is dead because it was killed by `ray.kill` (actor pid 7).'
     >>> death_cause(RayActorError("a1", "The actor is dead because its worker process has died."))
     'The actor is dead because its worker process has died.'
     """
     text = str(exc)
     lines = [s.strip() for s in text.splitlines() if s.strip()]
-    cause = next((s for s in lines if "dead because" in s or "killed" in s or "exit" in s.lower()),
-                 lines[0] if lines else f"{type(exc).__name__}")
+    at = next((i for i, s in enumerate(lines)
+               if "dead because" in s or "killed" in s or "exit" in s.lower()), None)
+    cause = lines[at] if at is not None else lines[0] if lines else f"{type(exc).__name__}"
     for marker in (" Some common causes include", " If the process was killed"):
         cause = cause.split(marker)[0]
-    cause = cause[:400]
-    pid = re.search(r"\bpid: (\d+)", text)
-    if pid and f"pid {pid.group(1)}" not in cause:
-        stop = "." if cause.endswith(".") else ""
-        cause = f"{cause.rstrip('.')} (pid {pid.group(1)}){stop}"
-    return cause
+    # Ray's header lines ("class_name: ...", "pid: N", ...) come before the cause; a pid in a
+    # traceback or message after it may be another process's.
+    pids = [m.group(1) for s in lines[:at or 0] if (m := re.fullmatch(r"pid: (\d+)", s))]
+    if pids and not re.search(r"\bpid\b", cause, re.IGNORECASE):
+        cause = f"{cause[:380].removesuffix('.')} (actor pid {pids[0]}){'.' if cause.endswith('.') else ''}"
+    return cause[:400]
 
 
 def cause_text(e: BaseException) -> str:
