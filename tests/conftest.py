@@ -68,9 +68,9 @@ def _tail(path: str, lines: int) -> list[str]:
 
 def dead_worker_logs(text: str, logs_dir: str, lines: int = 40) -> str:
     """The tails of the log files of every worker whose pid ``text`` names (the raylet's
-    "Worker PID: N", Ray's "pid: N" or "pid=N", our "(actor pid N)"), the crash markers in the worker logs written
-    in the last 10 minutes (the failed test's, and any other test's in that time), and the
-    machine's free memory. Never raises: what cannot be read is said."""
+    "Worker PID: N", Ray's "pid: N" or "pid=N", our "(actor pid N)"), the crash markers in
+    the worker logs written in the last 10 minutes (the failed test's, and any other test's in
+    that time), and the machine's free memory. Never raises: what cannot be read is said."""
     pids = {p for found in re.findall(r"Worker PID: (\d+)|\bpid[:= ] ?(\d+)", text)
             for p in found if p}
     out = []

@@ -208,7 +208,7 @@ class GangWorker:
         dispatcher hands its data-parallel group (:func:`~twinkle_ray.runtime.balance.run_chunks`);
         returns (its results concatenated, its positions record)."""
         msg = WorkerCall.from_task(call, args, kwargs)
-        return self._execute(msg, invoke=lambda *a: balance.run_chunks(self, msg.seq, *a))[0]
+        return self._execute(msg, invoke=lambda *a: balance.run_chunks(self, msg.seq, *a), meta=False)[0]
 
     def _execute(self, call: WorkerCall, invoke=None, meta: bool = True) -> tuple[Any, Any]:
         """Run one call on the instance; (result, meta). A failure is reported to the dispatcher
@@ -254,7 +254,7 @@ class GangWorker:
         """``run_value`` for an eager call: a result that is not certainly small plain data
         stays in this worker's object store (:func:`~twinkle_ray.runtime.inline.hold_unless_small`),
         so the dispatcher, which replies with the values, never holds payload."""
-        return hold_unless_small(self._execute(WorkerCall.from_task(call, args, kwargs), meta=False)[0])
+        return hold_unless_small(self.run_value(call, *args, **kwargs))
 
     def _report(self, seq: int | None, method: str, error: BaseException) -> None:
         d = self.info.dispatcher
