@@ -28,6 +28,9 @@ class PlacementError(RuntimeError):
     """
 
 
+TORN_DOWN = "The gang was torn down; call .restart() on it to rebuild."
+
+
 class WorkerDiedError(RuntimeError):
     """A worker of a gang died; the gang was torn down whole.
 
@@ -38,18 +41,21 @@ class WorkerDiedError(RuntimeError):
     ``'preempted'`` (its node was pre-empted / drained), ``'unreachable'`` (it
     could not be reached for longer than an outage may last) or
     ``'dispatcher'`` (the gang's dispatcher died; ``rank`` is None). Call
-    ``restart()`` on the gang to rebuild it.
+    ``restart()`` on the gang to rebuild it. The message is ``headline`` (what
+    died and why), then ``advice`` (what to do: by default, that ``restart()``).
 
     >>> e = WorkerDiedError("g", "Model", 2, "10.0.0.2", "its node was lost", node_id="ab" * 28,
     ...                     kind="node lost")
     >>> str(e).split(":")[0]
     "worker rank 2 of Model in group 'g' died (node 10.0.0.2, id abababab, node lost)"
+    >>> str(e).endswith(TORN_DOWN), e.headline in str(e)
+    (True, True)
     """
 
     def __init__(self, group: str, cls: str, rank: int | None, node: str | None, cause: str,
-                 node_id: str | None = None, kind: str = "died"):
+                 node_id: str | None = None, kind: str = "died", advice: str | None = None):
         self.group, self.cls, self.rank, self.node, self.cause = group, cls, rank, node, cause
-        self.node_id, self.kind = node_id, kind
+        self.node_id, self.kind, self.advice = node_id, kind, advice
         if kind == "dispatcher":
             who = "the dispatcher"
         else:
@@ -57,14 +63,13 @@ class WorkerDiedError(RuntimeError):
         where = f"node {node or '?'}" + (f", id {node_id[:8]}" if node_id else "")
         if kind not in ("died", "dispatcher"):
             where += f", {kind}"
-        super().__init__(
-            f"{who} of {cls} in group '{group}' died ({where}): {cause.rstrip('.')}. "
-            f"The gang was torn down; call .restart() on it to rebuild."
-        )
+        # what died and why, without what to do about it (GangRebuildError quotes it)
+        self.headline = f"{who} of {cls} in group '{group}' died ({where}): {cause.rstrip('.')}"
+        super().__init__(f"{self.headline}. {advice or TORN_DOWN}")
 
     def __reduce__(self):
         return (type(self), (self.group, self.cls, self.rank, self.node, self.cause, self.node_id,
-                             self.kind))
+                             self.kind, self.advice))
 
 
 class GangRebuildError(WorkerDiedError):
@@ -91,15 +96,12 @@ class GangRebuildError(WorkerDiedError):
         else:
             self.group, self.cls = gang or ("?", "?")
             self.rank, self.node, self.cause, self.node_id, self.kind = None, None, reason, None, "rebuild"
-        self.death, self.reason, self.how = death, reason, how
+        self.death, self.reason, self.how, self.advice = death, reason, how, None
         which = "its automatic rebuild" if how == "automatic" else f"its rebuild by {how}"
-        after = "" if death is None else (
-            f" The rebuild followed this death: {str(death).split('. The gang was torn down')[0]}.")
+        self.headline = f"gang of {self.cls} in group '{self.group}' is down: {which} failed: {reason}"
+        after = "" if death is None else f" The rebuild followed this death: {death.headline}."
         RuntimeError.__init__(
-            self,
-            f"gang of {self.cls} in group '{self.group}' is down: {which} failed: {reason}."
-            f"{after} Call .restart() on it to try again once the cause is fixed.",
-        )
+            self, f"{self.headline}.{after} Call .restart() on it to try again once the cause is fixed.")
 
     def __reduce__(self):
         return (type(self), (self.death, self.reason, self.how, (self.group, self.cls)))
@@ -124,13 +126,12 @@ class GangStuckError(WorkerDiedError):
         self.group, self.cls, self.rank, self.node, self.cause = group, cls, rank, None, cause
         self.node_id, self.kind = None, "stuck"
         self.stuck, self.method, self.grace_s = list(stuck), method, grace_s
+        self.advice = None
         who = f"rank {rank}" if rank is not None else "a rank"
-        RuntimeError.__init__(
-            self,
-            f"{who} of {cls} in group '{group}' failed in {method}() ({cause}); rank(s) {self.stuck} "
-            f"had not finished that call {grace_s:g}s later (blocked in a collective?). The gang "
-            f"was torn down; call .restart() on it to rebuild (max_restarts does it by itself).",
-        )
+        self.headline = (f"{who} of {cls} in group '{group}' failed in {method}() ({cause}); rank(s) "
+                         f"{self.stuck} had not finished that call {grace_s:g}s later (blocked in a "
+                         f"collective?)")
+        RuntimeError.__init__(self, f"{self.headline}. {TORN_DOWN[:-1]} (max_restarts does it by itself).")
 
     def __reduce__(self):
         return (type(self), (self.group, self.cls, self.rank, self.stuck, self.method, self.cause,

@@ -151,10 +151,15 @@ class GangRef:
         sent its task, which died (also when a new one has rebuilt the gang since).
         """
         if self.dispatcher is None and isinstance(exc, OwnerDiedError):
-            lost = f"the outputs of {self.cls_name}.{method}() " if method else "its outputs "
+            # the gang may well be up again by now: a restart() would lose its state for nothing
+            call = f"{self.cls_name}.{method}()" if method else "the call that made them"
+            lost = f"the outputs of {call} " if method else "its outputs "
             return WorkerDiedError(self.group, self.cls_name, None, None,
                                    f"{lost}were owned by it and are lost with it (Ray: "
-                                   f"the object's owner has exited)", kind="dispatcher")
+                                   f"the object's owner has exited)", kind="dispatcher",
+                                   advice=f"Make them anew: call {call} again once the gang is "
+                                          f"up (max_restarts rebuilds it by itself, .restart() "
+                                          f"by hand).")
         wait = OUTAGE_WAIT_S if isinstance(exc, ActorUnavailableError) else 2.0
         actor_id = getattr(exc, "actor_id", None)
         if self.dispatcher is not None:
