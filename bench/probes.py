@@ -20,9 +20,14 @@ rounds in balanced orders (:func:`bench.timing.compare_many`), medians printed:
   eighth session), as one str ``'noop/seq/0'`` (what they carried until the
   eleventh), as a bare str, as an int, as bytes ``b'noop/seq/0'`` (what they
   carry now), and no argument at all (what a raw Ray no-op carries); each
-  round awaits the 32 results with one ``ray.get``.
+  round awaits the 32 results with one ``ray.get``. And the head as the
+  task's name (``.options(name='noop/seq/0')``, read back in the worker with
+  ``ray.get_runtime_context().get_task_name()``): nearly free, but Ray labels
+  its ``ray_tasks`` metric series by task name, so a name per call would
+  grow the node's Prometheus series without bound (twelfth session), and the
+  head stays an argument.
 
-BENCHMARKS.md (seventh, eighth and eleventh sessions) has runs' figures.
+BENCHMARKS.md (seventh, eighth, eleventh and twelfth sessions) has runs' figures.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ class Plain:
         return None
 
     def run(self, head) -> None:
+        return None
+
+    def named(self) -> None:
+        ray.get_runtime_context().get_task_name()  # the head, read back
         return None
 
 
@@ -81,6 +90,8 @@ class Probe:
                 "int": seq, "bytes": f"noop/{seq}/0".encode()}.get(kind)
         if kind == "none":
             refs = [a.noop.remote() for a in self.actors]
+        elif kind == "task name":
+            refs = [a.named.options(name=f"noop/{seq}/0").remote() for a in self.actors]
         else:
             refs = [a.run.remote(head) for a in self.actors]
         return await asyncio.get_running_loop().run_in_executor(self.pool, ray.get, refs)
@@ -135,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  {k:28} {v:7.3f}")
         heads_ms = _medians(compare_many({
             kind: lambda kind=kind: ray.get(probe.heads.remote(kind, 7))
-            for kind in ("tuple", "str", "bare str", "int", "bytes", "none")
+            for kind in ("tuple", "str", "bare str", "int", "bytes", "task name", "none")
         }, repeats=max(args.rounds // 5, 10), warmup=3))
         print("an actor's 32 tasks, by the head each carries (ms per round):")
         for k, v in heads_ms.items():
