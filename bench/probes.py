@@ -22,10 +22,10 @@ rounds in balanced orders (:func:`bench.timing.compare_many`), medians printed:
   carry now), and no argument at all (what a raw Ray no-op carries); each
   round awaits the 32 results with one ``ray.get``. And the head as the
   task's name (``.options(name='noop/seq/0')``, read back in the worker with
-  ``ray.get_runtime_context().get_task_name()``): nearly free, but Ray labels
-  its ``ray_tasks`` metric series by task name, so a name per call would
-  grow the node's Prometheus series without bound (twelfth session), and the
-  head stays an argument.
+  ``ray.get_runtime_context().get_task_name()``, which only this row pays
+  for): nearly free, but Ray labels its ``ray_tasks`` metric series by task
+  name, so a name per call would grow the node's Prometheus series without
+  bound; the call number cannot travel so (twelfth session).
 
 BENCHMARKS.md (seventh, eighth, eleventh and twelfth sessions) has runs' figures.
 """

@@ -391,5 +391,5 @@ def test_an_output_made_before_a_dispatcher_respawn_is_named_lost_with_that_disp
     assert "worker rank" not in str(err), err
     assert "Keeper.get_value()" in str(err) and str(err).startswith("the dispatcher of Keeper"), err
     # the advice is to make them anew, not to restart (the gang is up: that would lose its state)
-    assert "call Keeper.get_value() again" in str(err) and "torn down" not in str(err), err
+    assert "Call Keeper.get_value() again" in str(err) and "torn down" not in str(err), err
     assert g.get_value()() == [0, 0]  # the rebuilt gang still serves

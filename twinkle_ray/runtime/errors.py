@@ -28,6 +28,7 @@ class PlacementError(RuntimeError):
     """
 
 
+# what a death's message ends with unless it is told otherwise (``advice``)
 TORN_DOWN = "The gang was torn down; call .restart() on it to rebuild."
 
 
@@ -42,20 +43,26 @@ class WorkerDiedError(RuntimeError):
     could not be reached for longer than an outage may last) or
     ``'dispatcher'`` (the gang's dispatcher died; ``rank`` is None). Call
     ``restart()`` on the gang to rebuild it. The message is ``headline`` (what
-    died and why), then ``advice`` (what to do: by default, that ``restart()``).
+    died and why), then ``advice`` (what to do: by default ``TORN_DOWN``, that
+    ``restart()``; the subclasses and a lost output say their own).
 
     >>> e = WorkerDiedError("g", "Model", 2, "10.0.0.2", "its node was lost", node_id="ab" * 28,
     ...                     kind="node lost")
     >>> str(e).split(":")[0]
     "worker rank 2 of Model in group 'g' died (node 10.0.0.2, id abababab, node lost)"
-    >>> str(e).endswith(TORN_DOWN), e.headline in str(e)
+    >>> str(e) == f"{e.headline}. {TORN_DOWN}", e.advice == TORN_DOWN
     (True, True)
+    >>> import pickle
+    >>> lost = WorkerDiedError("g", "M", None, None, "its outputs are lost", kind="dispatcher",
+    ...                        advice="Call M.f() again.")
+    >>> str(pickle.loads(pickle.dumps(lost))).endswith("are lost. Call M.f() again.")
+    True
     """
 
     def __init__(self, group: str, cls: str, rank: int | None, node: str | None, cause: str,
                  node_id: str | None = None, kind: str = "died", advice: str | None = None):
         self.group, self.cls, self.rank, self.node, self.cause = group, cls, rank, node, cause
-        self.node_id, self.kind, self.advice = node_id, kind, advice
+        self.node_id, self.kind, self.advice = node_id, kind, advice or TORN_DOWN
         if kind == "dispatcher":
             who = "the dispatcher"
         else:
@@ -65,7 +72,7 @@ class WorkerDiedError(RuntimeError):
             where += f", {kind}"
         # what died and why, without what to do about it (GangRebuildError quotes it)
         self.headline = f"{who} of {cls} in group '{group}' died ({where}): {cause.rstrip('.')}"
-        super().__init__(f"{self.headline}. {advice or TORN_DOWN}")
+        super().__init__(f"{self.headline}. {self.advice}")
 
     def __reduce__(self):
         return (type(self), (self.group, self.cls, self.rank, self.node, self.cause, self.node_id,
@@ -86,6 +93,8 @@ class GangRebuildError(WorkerDiedError):
     (True, 1)
     >>> GangRebuildError(None, "rank 1 hung", "restart()", gang=("g", "Model")).kind
     'rebuild'
+    >>> str(GangRebuildError(d, "it died.")).count("..")  # a reason's own period is not doubled
+    0
     """
 
     def __init__(self, death: WorkerDiedError | None, reason: str, how: str = "automatic",
@@ -96,12 +105,13 @@ class GangRebuildError(WorkerDiedError):
         else:
             self.group, self.cls = gang or ("?", "?")
             self.rank, self.node, self.cause, self.node_id, self.kind = None, None, reason, None, "rebuild"
-        self.death, self.reason, self.how, self.advice = death, reason, how, None
+        self.death, self.reason, self.how = death, reason, how
+        self.advice = "Call .restart() on it to try again once the cause is fixed."
         which = "its automatic rebuild" if how == "automatic" else f"its rebuild by {how}"
-        self.headline = f"gang of {self.cls} in group '{self.group}' is down: {which} failed: {reason}"
+        self.headline = (f"gang of {self.cls} in group '{self.group}' is down: {which} failed: "
+                         f"{reason.rstrip('.')}")
         after = "" if death is None else f" The rebuild followed this death: {death.headline}."
-        RuntimeError.__init__(
-            self, f"{self.headline}.{after} Call .restart() on it to try again once the cause is fixed.")
+        RuntimeError.__init__(self, f"{self.headline}.{after} {self.advice}")
 
     def __reduce__(self):
         return (type(self), (self.death, self.reason, self.how, (self.group, self.cls)))
@@ -126,12 +136,13 @@ class GangStuckError(WorkerDiedError):
         self.group, self.cls, self.rank, self.node, self.cause = group, cls, rank, None, cause
         self.node_id, self.kind = None, "stuck"
         self.stuck, self.method, self.grace_s = list(stuck), method, grace_s
-        self.advice = None
+        self.advice = ("The gang was torn down; call .restart() on it to rebuild (max_restarts "
+                       "does it by itself).")
         who = f"rank {rank}" if rank is not None else "a rank"
         self.headline = (f"{who} of {cls} in group '{group}' failed in {method}() ({cause}); rank(s) "
                          f"{self.stuck} had not finished that call {grace_s:g}s later (blocked in a "
                          f"collective?)")
-        RuntimeError.__init__(self, f"{self.headline}. {TORN_DOWN[:-1]} (max_restarts does it by itself).")
+        RuntimeError.__init__(self, f"{self.headline}. {self.advice}")
 
     def __reduce__(self):
         return (type(self), (self.group, self.cls, self.rank, self.stuck, self.method, self.cause,

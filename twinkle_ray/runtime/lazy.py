@@ -152,14 +152,13 @@ class GangRef:
         """
         if self.dispatcher is None and isinstance(exc, OwnerDiedError):
             # the gang may well be up again by now: a restart() would lose its state for nothing
-            call = f"{self.cls_name}.{method}()" if method else "the call that made them"
-            lost = f"the outputs of {call} " if method else "its outputs "
+            call = f"{self.cls_name}.{method}()" if method else f"the {self.cls_name} method"
             return WorkerDiedError(self.group, self.cls_name, None, None,
-                                   f"{lost}were owned by it and are lost with it (Ray: "
-                                   f"the object's owner has exited)", kind="dispatcher",
-                                   advice=f"Make them anew: call {call} again once the gang is "
-                                          f"up (max_restarts rebuilds it by itself, .restart() "
-                                          f"by hand).")
+                                   f"the outputs of {call} were owned by it and are lost with "
+                                   f"it (Ray: the object's owner has exited)", kind="dispatcher",
+                                   advice=f"Call {call} again for new ones; rebuild its gang "
+                                          f"first only if it is still down (a restart() of a "
+                                          f"gang rebuilt since would lose its state).")
         wait = OUTAGE_WAIT_S if isinstance(exc, ActorUnavailableError) else 2.0
         actor_id = getattr(exc, "actor_id", None)
         if self.dispatcher is not None:
