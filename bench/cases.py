@@ -274,9 +274,10 @@ def _b1(cfg: Config, gang, actors: list) -> list[dict]:
 
 def _b1_metrics(cfg: Config, gang, n: int, group: str) -> list[dict]:
     """B1 with metrics on (the B1 gang) vs off (a second gang on the same workers' bundles of
-    DeviceGroup ``group``, made with ``TWINKLE_METRICS=0``: no metrics, no task names), in one compare_many.
+    DeviceGroup ``group``, made with ``TWINKLE_METRICS=0``: no metrics), in one compare_many.
 
-    ``ratio`` = on / off: what the gang metrics and named worker tasks cost a no-op call.
+    ``ratio`` = on / off: what the gang metrics cost a no-op call (worker tasks are named
+    either way).
     """
     on = metrics_enabled()  # how the B1 gang was made (TWINKLE_METRICS of this run)
     before = os.environ.get("TWINKLE_METRICS")

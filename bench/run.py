@@ -207,10 +207,10 @@ def table(report: dict) -> str:
             lines.append(f"   tracer self-check: one output fetched by the driver on purpose was seen as "
                          f"{row['tracer_self_check_bytes'] / mb:.0f} MB via the driver")
     if metrics:
-        lines += ["", "Gang metrics and task names on vs off (same run, one compare_many; ratio = on / off):",
+        lines += ["", "Gang metrics on vs off (same run, one compare_many; ratio = on / off):",
                   f"{'':<58} {'on':>12} {'off':>12} {'ratio':>7} {'paired':>8}"]
         for row in metrics:
-            on = "" if row.get("metrics_on", True) else " (TWINKLE_METRICS=0: both off)"
+            on = "" if row.get("metrics_on", True) else " (TWINKLE_METRICS=0: off)"
             lines.append(f"{row['name'] + on:<58} {_fmt_time(row['on_s'], 'ms'):>12} "
                          f"{_fmt_time(row['off_s'], 'ms'):>12} {row['ratio']:6.2f}x "
                          f"{row['paired_ratio']:7.2f}x  {_check(row)}")

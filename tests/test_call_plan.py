@@ -73,8 +73,8 @@ def test_lookup_returns_a_proxy_like_the_original(ray_session):
 def test_docstring_examples():
     import doctest
 
-    from twinkle_ray.runtime import errors, message, routing
+    from twinkle_ray.runtime import errors, message, ranks, routing
 
-    for module in (errors, message, routing):
+    for module in (errors, message, ranks, routing):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0, module.__name__

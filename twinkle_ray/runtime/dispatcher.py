@@ -11,6 +11,9 @@ without waiting for their values) and the **submit**.
 
 Submit: one actor task per target rank, in the gang's order (Ray keeps one
 submitter's tasks to an actor in order); it returns the output refs at once.
+A call with nothing routed goes as a named task, without a head
+(:mod:`~twinkle_ray.runtime.message`); the dispatcher notes each such task's
+id with the call's number (``GangState.tasks``), which is how a worker names it.
 
 It composes one plain object per job, each in its own module ("room"):
 
@@ -70,9 +73,9 @@ class Dispatcher:
         self._gang_ref: GangRef | None = None  # this gang (with this actor's handle)
         self._router: Router | None = None
         self.metrics = GangMetrics.create(spec.label, spec.metrics)
-        # (method, with length record, balanced, inline) -> (the workers list, each one's bound
-        # task method)
-        self._bound: dict[tuple[str, bool, bool, bool], tuple[list, list]] = {}
+        # (method, with length record, balanced, inline, named) -> (the workers list, each one's
+        # bound task method)
+        self._bound: dict[tuple[str, bool, bool, bool, bool], tuple[list, list]] = {}
         # (node id, ip) of this actor: named in its death and in topology()
         self.node = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
         self.gets = ThreadedGets()  # an eager call's values (see _values_back)
@@ -123,8 +126,10 @@ class Dispatcher:
                                         "a collective with another gang", reason, 0))
         return True
 
-    async def report_failure(self, gen: int, seq: int, rank: int, method: str, cause: str) -> None:
-        """A worker's call raised (see :meth:`Health.report_failure`: the stuck check)."""
+    async def report_failure(self, gen: int, seq: int | str, rank: int, method: str,
+                             cause: str) -> None:
+        """A worker's call raised (see :meth:`Health.report_failure`: the stuck check); ``seq``
+        is its number, or its task's id for a named task."""
         self.health.report_failure(gen, seq, rank, method, cause)
 
     def set_restart_policy(self, max_restarts: int, window_s: float | None = None) -> str:
@@ -326,14 +331,19 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.called(plan.method)
         with_meta = plan.with_meta and not inline
-        submit = self._submitters(plan.method, with_meta, workers, plan.balanced, inline)
+        msgs = plan.messages(self.seq)
+        named = not plan.balanced and all(m.named for m in msgs)  # no head: see message
+        submit = self._submitters(plan.method, with_meta, workers, plan.balanced, inline, named)
         refs, metas = [], []
-        for i, msg in zip(plan.targets, plan.messages(self.seq), strict=True):
+        for i, msg in zip(plan.targets, msgs, strict=True):
+            args = msg.args if named else msg.task_args()
             if with_meta:
-                payload, meta = submit[i].remote(*msg.task_args(), **msg.kwargs)
+                payload, meta = submit[i].remote(*args, **msg.kwargs)
                 metas.append(meta)
             else:
-                payload = submit[i].remote(*msg.task_args(), **msg.kwargs)
+                payload = submit[i].remote(*args, **msg.kwargs)
+            if named:  # how its worker names the call (stuck check, failure report)
+                self.state.tasks.add(payload.task_id().hex(), self.seq)
             refs.append(payload)
         return CallOutput(refs=refs, metas=metas, workers=list(plan.targets), balanced=plan.balanced)
 
@@ -347,24 +357,28 @@ class Dispatcher:
 
     # -- submitting and routing -----------------------------------------------------------------
     def _submitters(self, method: str, with_meta: bool, workers: list, balanced: bool = False,
-                    inline: bool = False) -> list:
+                    inline: bool = False, named: bool = False) -> list:
         """Each worker's bound task method for ``method`` (``run`` with two returns,
-        ``run_value``, or ``run_inline`` for an eager call), named 'group/Class.method' for
-        Ray's task list and timeline unless metrics are off. Made once per method and set of
+        ``run_value``, or ``run_inline`` for an eager call; their ``run_named`` forms for a
+        call without a head), named 'group/Class.method' for Ray's task list and timeline (and
+        for the worker of a named task, the method). Made once per method and set of
         workers: nothing per call."""
-        key = (method, with_meta, balanced, inline)
+        key = (method, with_meta, balanced, inline, named)
         hit = self._bound.get(key)
         if hit is not None and hit[0] is workers:
             return hit[1]
-        opts = {"name": f"{self.spec.label}.{method}"} if self.spec.metrics else {}
+        name = f"{self.spec.label}.{method}"
         if balanced:  # dispatch='balance': a chunk loop (runtime.balance), positions record back
-            bound = [w.run_balanced.options(num_returns=2, **opts) for w in workers]
+            bound = [w.run_balanced.options(num_returns=2, name=name) for w in workers]
         elif inline:  # a large result stays in the worker's store (runtime.inline)
-            bound = [w.run_inline.options(**opts) if opts else w.run_inline for w in workers]
+            bound = [(w.run_named_inline if named else w.run_inline).options(name=name)
+                     for w in workers]
         elif with_meta:
-            bound = [w.run.options(num_returns=2, **opts) for w in workers]
+            bound = [(w.run_named if named else w.run).options(num_returns=2, name=name)
+                     for w in workers]
         else:
-            bound = [w.run_value.options(**opts) if opts else w.run_value for w in workers]
+            bound = [(w.run_named_value if named else w.run_value).options(name=name)
+                     for w in workers]
         self._bound[key] = (workers, bound)
         return bound
 
@@ -394,6 +408,7 @@ class Dispatcher:
             "recent_plans": len(router.recent) if router is not None else 0,
             "producers": len(router.producers) if router is not None else 0,
             "bound_submitters": len(self._bound),
+            "named_tasks": len(self.state.tasks),
         }
 
 

@@ -198,14 +198,22 @@ class Health:
         return WorkerDiedError(g, cls, d.rank, d.node_ip, cause, node_id=d.node_id, kind=kind)
 
     # -- the stuck check -----------------------------------------------------------------------
-    def report_failure(self, gen: int, seq: int, rank: int, method: str, cause: str) -> None:
+    def report_failure(self, gen: int, call: int | str, rank: int, method: str, cause: str) -> None:
         """A worker's call raised. Unless that call is checked already, look again after the
         grace period: ranks still inside that same call are stuck in a collective, and the gang
         goes. A gang without torch.distributed has no collective to be stuck in: no check.
-        Ranks still on an earlier call are not stuck by this one's failure."""
-        self.state.chunks.drop(seq)  # a balanced call that raised hands out no more chunks
+        Ranks still on an earlier call are not stuck by this one's failure. ``call``: the
+        call's number, or the id of a named task (``GangState.tasks`` has its number)."""
+        seq = self.state.tasks.number(call)
+        if seq is not None:
+            self.state.chunks.drop(seq)  # a balanced call that raised hands out no more chunks
         grace = self.state.spec.stuck_grace_s
         if grace is None or not self.state.distributed or not self.state.current(gen):
+            return
+        if seq is None:  # a named task sent more than TASKS_KEPT tasks ago: not known any more
+            logger.warning("gang %s: rank %s failed in %s() (%s) in a call too old to check "
+                           "whether its peers are stuck in a collective", self.state.label, rank,
+                           method, cause)
             return
         if seq not in self._suspects:
             check = asyncio.ensure_future(self._check_stuck(gen, seq, rank, method, cause, grace))
@@ -222,7 +230,8 @@ class Health:
         done, _ = await asyncio.wait(asks, timeout=PROGRESS_QUERY_S)
         stuck = []
         for r, t in enumerate(asks):
-            current = t.result() if t in done else seq  # no answer in time: as good as stuck
+            # no answer in time: as good as stuck
+            current = st.tasks.number(t.result()) if t in done else seq
             if current == seq:
                 stuck.append(r)
         if stuck and st.current(gen):

@@ -27,10 +27,23 @@ direct ref passing), behind one head, the bytes ``b'method/seq/len(lead)'``::
     worker.run.remote(f"{method}/{seq}/{len(lead)}".encode(), *lead, *args, **kwargs)
 
 Every task argument costs: Ray serialises each one on its own. Measured on an
-actor's 32 tasks (``python -m bench.probes``, BENCHMARKS.md, eighth and
-eleventh sessions), the head costs ~0.18 ms per task against none at all; as
-bytes ~0.05 ms less than as a str, which costs less than an int or a tuple.
-A method name holds no ``/``.
+actor's 32 tasks (``python -m bench.probes``, BENCHMARKS.md, eighth to
+twelfth sessions), the head costs 0.08 ms per task on a quiet machine (0.13-0.18
+loaded) against none at all; as bytes less than as a str, an int or a tuple.
+A method name holds no ``/`` and no ``.``.
+
+So a call with no leading values (nothing routed: the common case) travels
+with **no head** (:meth:`WorkerCall.named`): only its arguments, as a task
+named ``'group/Class.method'`` (the name the dashboard shows anyway). The
+worker reads the method from the task's name
+(``ray.get_runtime_context().get_task_name()``) and knows the call by the
+task's id (``get_task_id()``), which it reports in place of the number (the
+stuck check, a failure report); the dispatcher maps task ids to numbers
+(:class:`~twinkle_ray.runtime.ranks.TaskNumbers`). The number cannot go in
+the name: Ray labels its ``ray_tasks`` metric by task name, and a name per
+call would grow the node's metric series without bound. Routed calls keep
+the head (they need ``len(lead)``), and so do balanced ones (their chunk
+requests name the call by its number).
 
 Example::
 
@@ -72,10 +85,20 @@ class WorkerCall:
     """One call as one worker receives it (see the module docstring)."""
 
     method: str
-    seq: int | None
+    seq: int | str | None  # the call's number; a named task's id (hex) in the worker
     lead: tuple
     args: tuple
     kwargs: dict
+
+    @property
+    def named(self) -> bool:
+        """Whether it can travel without a head: as a task named ``'<label>.<method>'`` whose
+        arguments are ``args`` alone (no leading values to count).
+
+        >>> WorkerCall("step", 3, (), (1,), {}).named, WorkerCall("step", 3, ("ref",), (), {}).named
+        (True, False)
+        """
+        return not self.lead
 
     def task_args(self) -> tuple:
         """The positional arguments of the task form: ``(head, *lead, *args)``; kwargs travel as
@@ -95,5 +118,14 @@ class WorkerCall:
         n = int(n)
         return cls(method, None if seq == "None" else int(seq), tuple(args[:n]), tuple(args[n:]),
                    dict(kwargs))
+
+    @classmethod
+    def from_name(cls, name: str, task_id: str, args: tuple, kwargs: dict) -> WorkerCall:
+        """Rebuild a :attr:`named` call from its task's name ``'<label>.<method>'`` and id.
+
+        >>> WorkerCall.from_name("g.v2/Model.step", "ab12", (1,), {})
+        WorkerCall(method='step', seq='ab12', lead=(), args=(1,), kwargs={})
+        """
+        return cls(name.rpartition(".")[2], task_id, (), tuple(args), dict(kwargs))
 
 

@@ -21,8 +21,9 @@ series carries the tags ``gang`` (the gang's label, ``group/Class``) and
   dicts, two levels deep, long ones estimated from their first items); other
   values count 0 and nothing is pickled to measure them.
 
-``TWINKLE_METRICS=0`` where a gang is created turns its metrics (and its
-``group/Class.method`` task names) off. Nothing is made at import: each
+``TWINKLE_METRICS=0`` where a gang is created turns its metrics off (its worker
+tasks keep their ``group/Class.method`` names: a call sent without a head
+names its method that way, see :mod:`~twinkle_ray.runtime.message`). Nothing is made at import: each
 dispatcher and worker makes its gang's metric objects when it starts.
 
 A call only notes its figures (a dict or list entry); one daemon thread (per

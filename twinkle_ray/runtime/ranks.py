@@ -16,11 +16,48 @@ Example::
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.balance import ChunkTable
 from .placement import BundleSlot
+
+# How many named tasks (sent without a head) the dispatcher keeps the call number of, the
+# oldest dropped first: a call is still known to the stuck check if fewer tasks than this were
+# sent after it (8,192 calls on a 4-worker gang, 1,024 on 32). About 6 MB when full.
+TASKS_KEPT = 32_768
+
+
+class TaskNumbers:
+    """The call number of each task sent without a head (a named task, see
+    :mod:`~twinkle_ray.runtime.message`), by the task's id: what a worker reports in place of
+    the number. Bounded: the oldest entries go first.
+
+    >>> t = TaskNumbers(limit=2)
+    >>> t.add("a1", 1); t.add("b2", 2); t.add("c3", 3)
+    >>> t.number("a1"), t.number("c3"), t.number(7), t.number(None), len(t)
+    (None, 3, 7, None, 2)
+    """
+
+    def __init__(self, limit: int = TASKS_KEPT):
+        self.limit = limit
+        self._numbers: OrderedDict[str, int] = OrderedDict()
+
+    def add(self, task_id: str, seq: int) -> None:
+        self._numbers[task_id] = seq
+        if len(self._numbers) > self.limit:
+            self._numbers.popitem(last=False)
+
+    def number(self, call: int | str | None) -> int | None:
+        """The call number for what a worker reported: a number as it is, a task id looked up
+        (None: not a task of this gang, or sent too long ago), None for none."""
+        if call is None or isinstance(call, int):
+            return call
+        return self._numbers.get(call)
+
+    def __len__(self) -> int:
+        return len(self._numbers)
 
 
 @dataclass
@@ -62,6 +99,8 @@ class GangState:
     # dispatch='balance': the chunks handed out per call in flight (Dispatcher.next_chunk);
     # cleared when a generation's workers are killed, a call dropped when it reports a failure
     chunks: ChunkTable = field(default_factory=ChunkTable)
+    # the call numbers of the named tasks sent (task id -> number), for the stuck check
+    tasks: TaskNumbers = field(default_factory=TaskNumbers)
 
     def __post_init__(self):
         if not self.slots:

@@ -68,7 +68,7 @@ class GangSpec:
     owns_pg: bool = False
     stuck_grace_s: float | None = defaults.STUCK_GRACE_S  # None: never presume ranks stuck after a failure
     env: dict[str, str] = field(default_factory=dict)
-    # metrics and 'group/Class.method' task names; TWINKLE_METRICS=0 where the gang is created: off
+    # the gang's metrics; TWINKLE_METRICS=0 where the gang is created: off
     metrics: bool = field(default_factory=metrics_enabled)
     execute: str = "all"  # the remote_class's execute ('first': a one-worker gang)
     lazy_collect: bool = True  # the session's default: calls return LazyResults

@@ -3,9 +3,11 @@
 The user's class needs no ``@ray.remote``; the worker builds it after setting
 the gang's environment (devices, RANK, MASTER_ADDR, ...) and, when asked,
 initialising torch.distributed. Calls arrive as one message format,
-:class:`~twinkle_ray.runtime.message.WorkerCall`, through ``run`` (the task
-form); routed LazyResult pieces are fetched from the producers' object stores
-before the method is called.
+:class:`~twinkle_ray.runtime.message.WorkerCall`: through ``run_named`` (and its
+``_value``/``_inline`` forms) when nothing is routed, a task that carries only
+the call's arguments and names the method in its own name; through ``run`` (and
+its forms) behind a head otherwise. Routed LazyResult pieces are fetched from
+the producers' object stores before the method is called.
 
 Example (what the dispatcher does)::
 
@@ -99,7 +101,8 @@ class GangWorker:
         os.environ.update(info.environ())
         self.info = info
         self.instance: Any = None
-        self.current: int | None = None  # sequence number of the call running now
+        # the call running now: its number, or its task's id for a named task (None: idle)
+        self.current: int | str | None = None
         self.phase: str | None = "created"  # what start() is doing (None: started)
         self.metrics = GangMetrics.create(info.metrics, True) if info.metrics else None
         # torch takes seconds of CPU to import, and a distributed gang's start needs it: the
@@ -203,6 +206,20 @@ class GangWorker:
         """
         return self._execute(WorkerCall.from_task(call, args, kwargs))
 
+    def run_named(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """``run`` for a call sent without a head (nothing routed: see
+        :mod:`~twinkle_ray.runtime.message`): the method is the last part of the task's name
+        ``'group/Class.method'``, and the call is known by the task's id."""
+        return self._execute(_named_call(args, kwargs))
+
+    def run_named_value(self, *args: Any, **kwargs: Any) -> Any:
+        """``run_named`` without the length record (see ``run_value``)."""
+        return self._execute(_named_call(args, kwargs), meta=False)[0]
+
+    def run_named_inline(self, *args: Any, **kwargs: Any) -> Any:
+        """``run_named_value`` for an eager call (see ``run_inline``)."""
+        return hold_unless_small(self.run_named_value(*args, **kwargs))
+
     def run_balanced(self, call: bytes | str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """The task form of a ``dispatch='balance'`` call: this rank's loop over the chunks the
         dispatcher hands its data-parallel group (:func:`~twinkle_ray.runtime.balance.run_chunks`);
@@ -256,7 +273,7 @@ class GangWorker:
         so the dispatcher, which replies with the values, never holds payload."""
         return hold_unless_small(self.run_value(call, *args, **kwargs))
 
-    def _report(self, seq: int | None, method: str, error: BaseException) -> None:
+    def _report(self, seq: int | str | None, method: str, error: BaseException) -> None:
         d = self.info.dispatcher
         if seq is None or d is None:
             return
@@ -268,8 +285,9 @@ class GangWorker:
             logger.debug("could not report a failure to the dispatcher", exc_info=True)
 
     @ray.method(concurrency_group="control")
-    def progress(self) -> int | None:
-        """The sequence number of the call running now, or None when idle."""
+    def progress(self) -> int | str | None:
+        """The call running now (its number, or its task's id for a named task), or None when
+        idle."""
         return self.current
 
     @ray.method(concurrency_group="control")
@@ -335,6 +353,12 @@ class GangWorker:
                 dist.destroy_process_group()
         except Exception:  # best effort at teardown
             logger.debug("destroy_process_group failed", exc_info=True)
+
+
+def _named_call(args: tuple, kwargs: dict) -> WorkerCall:
+    """The call of the running named task: its method from the task's name, its id."""
+    ctx = ray.get_runtime_context()
+    return WorkerCall.from_name(ctx.get_task_name(), ctx.get_task_id(), args, kwargs)
 
 
 def _meta(result: Any) -> int | TupleLengths | None:
