@@ -277,7 +277,7 @@ def _b1_metrics(cfg: Config, gang, n: int, group: str) -> list[dict]:
     DeviceGroup ``group``, made with ``TWINKLE_METRICS=0``: no metrics), in one compare_many.
 
     ``ratio`` = on / off: what the gang metrics cost a no-op call (worker tasks are named
-    either way).
+    either way: 'group/Class.method' on, 'Class.method' off).
     """
     on = metrics_enabled()  # how the B1 gang was made (TWINKLE_METRICS of this run)
     before = os.environ.get("TWINKLE_METRICS")

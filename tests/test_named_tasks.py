@@ -4,13 +4,14 @@ check maps those ids back to numbers (``GangState.tasks``), so it still tells a 
 failed call from one on an earlier call, and it says so when a call is too old to be known.
 
 The first tests drive the stuck check with stand-in workers (no Ray); the last one runs a real
-gang and reads, while a call runs, what its worker says it is running.
+gang and reads, while a call waits for a file, what its workers say they are running.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from types import SimpleNamespace
 
@@ -56,8 +57,7 @@ def _report(health: Health, call, rank: int = 1) -> None:
 
 def test_a_peer_in_the_failed_named_call_is_stuck():
     health, st, failures = _health(["t0-of-call-5", None])
-    st.tasks.add("t0-of-call-5", 5)  # rank 0's task of call 5
-    st.tasks.add("t1-of-call-5", 5)  # rank 1's, which failed
+    st.tasks.add(5, ["t0-of-call-5", "t1-of-call-5"])  # rank 1's task failed
     _report(health, "t1-of-call-5")
     assert len(failures) == 1 and isinstance(failures[0], GangStuckError)
     assert failures[0].stuck == [0]
@@ -65,26 +65,38 @@ def test_a_peer_in_the_failed_named_call_is_stuck():
 
 def test_a_peer_on_an_earlier_named_call_is_not_stuck():
     health, st, failures = _health(["t0-of-call-4", None])
-    st.tasks.add("t0-of-call-4", 4)
-    st.tasks.add("t1-of-call-5", 5)
+    st.tasks.add(4, ["t0-of-call-4", "t1-of-call-4"])
+    st.tasks.add(5, ["t0-of-call-5", "t1-of-call-5"])
     _report(health, "t1-of-call-5")
     assert failures == []
 
 
-def test_numbered_and_named_reports_meet_in_one_check():
-    """A routed call carries its number, a named one its task id: both name the same calls."""
-    health, st, failures = _health([7, None])
-    st.tasks.add("t1-of-call-7", 7)
-    _report(health, "t1-of-call-7")
+def test_a_peer_on_an_earlier_routed_call_is_not_stuck_by_a_named_one():
+    """A routed call carries its number (a head), a named one its task's id: a peer still on
+    routed call 4 while named call 5 fails is on an earlier call."""
+    health, st, failures = _health([4, None])
+    st.tasks.add(5, ["t0-of-call-5", "t1-of-call-5"])
+    _report(health, "t1-of-call-5")
+    assert failures == []
+
+
+def test_a_call_is_forgotten_whole_or_not_at_all():
+    """The table drops the oldest calls with all their tasks: a failed rank's task is never
+    known while its peer's task of the same call is forgotten."""
+    health, st, failures = _health(["t0-of-call-5", None], limit=3)
+    st.tasks.add(5, ["t0-of-call-5", "t1-of-call-5"])
+    st.tasks.add(6, ["t0-of-call-6", "t1-of-call-6"])  # over the limit: call 5 goes, whole
+    assert st.tasks.number("t0-of-call-5") is None and st.tasks.number("t1-of-call-5") is None
+    st.tasks = TaskNumbers(limit=3)
+    st.tasks.add(5, ["t0-of-call-5", "t1-of-call-5"])
+    _report(health, "t1-of-call-5")
     assert [e.stuck for e in failures] == [[0]]
 
 
 def test_a_failure_in_a_call_too_old_to_know_is_logged_not_checked(caplog):
     health, st, failures = _health(["t0-of-call-1", None], limit=2)
-    st.tasks.add("t0-of-call-1", 1)
-    st.tasks.add("t1-of-call-1", 1)
-    st.tasks.add("t0-of-call-2", 2)  # the oldest entry goes
-    st.tasks.add("t1-of-call-2", 2)
+    st.tasks.add(1, ["t0-of-call-1", "t1-of-call-1"])
+    st.tasks.add(2, ["t0-of-call-2", "t1-of-call-2"])  # call 1 goes
     with caplog.at_level(logging.WARNING, logger="twinkle_ray.runtime.health"):
         _report(health, "t1-of-call-1")
     assert failures == []  # unknown: no gang is torn down on a guess
@@ -99,38 +111,42 @@ def test_the_method_is_read_from_the_task_name_whatever_the_group_is_called():
 
 # ---------------------------------------------------------------------------- a real gang
 @remote_class(distributed=False)
-class Sleeper:
+class Waiter:
     def __init__(self, device_mesh=None):
         pass
 
     @remote_function(dispatch="all", collect="none")
-    def nap(self, seconds: float) -> int:
-        time.sleep(seconds)
+    def wait_for(self, path: str) -> int:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return get_rank()
 
 
 @pytest.mark.slow
-def test_a_running_named_call_is_known_by_the_id_of_its_task(runtime):
+def test_a_running_named_call_is_known_by_the_id_of_its_task(runtime, tmp_path):
     """While a plain call runs, each worker says it runs the task whose output the call's
-    LazyResult holds (a task id, not a number), and the dispatcher keeps a bounded table of
-    them."""
+    LazyResult holds (a task id, not a number), and the dispatcher keeps them in its table."""
     import ray
 
     from conftest import NAMESPACE
 
     runtime.initialize(groups=[DeviceGroup("nt", 2, "cpu")])
-    g = Sleeper(remote_group="nt")
-    assert g.nap(0.0)() == [0, 1]
-    out = g.nap(3.0)
-    workers = [ray.get_actor(f"nt/Sleeper/{r}", namespace=NAMESPACE) for r in (0, 1)]
-    deadline = time.monotonic() + 60
-    while True:
-        running = ray.get([w.progress.remote() for w in workers])
-        if all(isinstance(x, str) for x in running):
-            break
-        assert time.monotonic() < deadline, f"the workers never said they ran it: {running}"
-        time.sleep(0.1)
-    assert running == [ref.task_id().hex() for ref in out.refs]
+    g = Waiter(remote_group="nt")
+    go = str(tmp_path / "go")
+    out = g.wait_for(go)
+    workers = [ray.get_actor(f"nt/Waiter/{r}", namespace=NAMESPACE) for r in (0, 1)]
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            running = ray.get([w.progress.remote() for w in workers])
+            if all(isinstance(x, str) for x in running):
+                break
+            assert time.monotonic() < deadline, f"the workers never said they ran it: {running}"
+            time.sleep(0.1)
+        assert running == [ref.task_id().hex() for ref in out.refs]
+    finally:
+        open(go, "w").close()
     assert out() == [0, 1]
-    dispatcher = ray.get_actor("nt/Sleeper", namespace=NAMESPACE)
-    assert ray.get(dispatcher.stats.remote())["named_tasks"] >= 4  # two calls on two ranks
+    dispatcher = ray.get_actor("nt/Waiter", namespace=NAMESPACE)
+    assert ray.get(dispatcher.stats.remote())["named_tasks"] == 2  # one call on two ranks

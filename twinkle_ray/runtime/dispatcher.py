@@ -332,7 +332,8 @@ class Dispatcher:
             self.metrics.called(plan.method)
         with_meta = plan.with_meta and not inline
         msgs = plan.messages(self.seq)
-        named = not plan.balanced and all(m.named for m in msgs)  # no head: see message
+        # no head (see message); the worker reads the method after the name's last '.'
+        named = not plan.balanced and "." not in plan.method and all(m.named for m in msgs)
         submit = self._submitters(plan.method, with_meta, workers, plan.balanced, inline, named)
         refs, metas = [], []
         for i, msg in zip(plan.targets, msgs, strict=True):
@@ -342,9 +343,9 @@ class Dispatcher:
                 metas.append(meta)
             else:
                 payload = submit[i].remote(*args, **msg.kwargs)
-            if named:  # how its worker names the call (stuck check, failure report)
-                self.state.tasks.add(payload.task_id().hex(), self.seq)
             refs.append(payload)
+        if named:  # how its workers name the call (stuck check, failure report)
+            self.state.tasks.add(self.seq, [ref.task_id().hex() for ref in refs])
         return CallOutput(refs=refs, metas=metas, workers=list(plan.targets), balanced=plan.balanced)
 
     async def next_chunk(self, gen: int, seq: int, group: int, k: int, n_chunks: int,
@@ -360,14 +361,16 @@ class Dispatcher:
                     inline: bool = False, named: bool = False) -> list:
         """Each worker's bound task method for ``method`` (``run`` with two returns,
         ``run_value``, or ``run_inline`` for an eager call; their ``run_named`` forms for a
-        call without a head), named 'group/Class.method' for Ray's task list and timeline (and
-        for the worker of a named task, the method). Made once per method and set of
-        workers: nothing per call."""
+        call without a head), named 'group/Class.method' for Ray's task list and timeline
+        ('Class.method' with metrics off; the worker of a named task reads the method there).
+        Made once per method and set of workers: nothing per call."""
         key = (method, with_meta, balanced, inline, named)
         hit = self._bound.get(key)
         if hit is not None and hit[0] is workers:
             return hit[1]
-        name = f"{self.spec.label}.{method}"
+        # With metrics off the name does not grow with the gangs made ('g/Cls-2', ...): Ray keeps
+        # a ray_tasks metric series per task name.
+        name = f"{self.spec.label if self.spec.metrics else self.spec.cls_name}.{method}"
         if balanced:  # dispatch='balance': a chunk loop (runtime.balance), positions record back
             bound = [w.run_balanced.options(num_returns=2, name=name) for w in workers]
         elif inline:  # a large result stays in the worker's store (runtime.inline)

@@ -8,6 +8,11 @@ A worker whose call raised reports it (``report_failure``); ranks of that
 same call still running ``stuck_grace_s`` later are presumed stuck in a
 collective (only in a gang that joined torch.distributed). Either way the
 failure goes to the rebuild room (``on_failure``), which tears the gang down.
+Workers name a call by its number, or by their task's id when it went without
+a head; the dispatcher keeps the numbers of the last ``TASKS_KEPT`` such tasks
+(``GangState.tasks``). A failure in a call sent before those (more than 8,192
+calls queued behind it on a 4-worker gang) is logged as too old to check, and
+its peers are not presumed stuck.
 
 :class:`DeathRecord` is what callers are told: the current error, the last
 death (kept across restarts), each generation's death by worker actor, and

@@ -16,7 +16,7 @@ Example::
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,30 +24,37 @@ from ..core.balance import ChunkTable
 from .placement import BundleSlot
 
 # How many named tasks (sent without a head) the dispatcher keeps the call number of, the
-# oldest dropped first: a call is still known to the stuck check if fewer tasks than this were
-# sent after it (8,192 calls on a 4-worker gang, 1,024 on 32). About 6 MB when full.
+# oldest calls dropped first, whole: a call is still known to the stuck check if fewer tasks
+# than this were sent after it (8,192 calls on a 4-worker gang, 1,024 on 32). About 7 MB when
+# full.
 TASKS_KEPT = 32_768
 
 
 class TaskNumbers:
     """The call number of each task sent without a head (a named task, see
     :mod:`~twinkle_ray.runtime.message`), by the task's id: what a worker reports in place of
-    the number. Bounded: the oldest entries go first.
+    the number. Bounded: the oldest calls go first, each with all of its tasks (a peer's task
+    is never forgotten while the failed rank's task of the same call is known).
 
-    >>> t = TaskNumbers(limit=2)
-    >>> t.add("a1", 1); t.add("b2", 2); t.add("c3", 3)
-    >>> t.number("a1"), t.number("c3"), t.number(7), t.number(None), len(t)
-    (None, 3, 7, None, 2)
+    >>> t = TaskNumbers(limit=3)
+    >>> t.add(1, ["a1", "b1"]); t.add(2, ["a2", "b2"])
+    >>> t.number("a1"), t.number("b1"), t.number("b2"), t.number(7), t.number(None), len(t)
+    (None, None, 2, 7, None, 2)
     """
 
     def __init__(self, limit: int = TASKS_KEPT):
         self.limit = limit
-        self._numbers: OrderedDict[str, int] = OrderedDict()
+        self._numbers: dict[str, int] = {}
+        self._calls: deque[list[str]] = deque()  # each call's task ids, oldest first
 
-    def add(self, task_id: str, seq: int) -> None:
-        self._numbers[task_id] = seq
-        if len(self._numbers) > self.limit:
-            self._numbers.popitem(last=False)
+    def add(self, seq: int, task_ids: list[str]) -> None:
+        """Call ``seq`` went as the named tasks ``task_ids`` (one per rank that runs it)."""
+        self._calls.append(task_ids)
+        for t in task_ids:
+            self._numbers[t] = seq
+        while len(self._numbers) > self.limit and len(self._calls) > 1:
+            for t in self._calls.popleft():
+                del self._numbers[t]
 
     def number(self, call: int | str | None) -> int | None:
         """The call number for what a worker reported: a number as it is, a task id looked up
