@@ -360,14 +360,32 @@ class Keeper(_Valued):
         return values
 
 
+def test_an_output_whose_owner_died_is_named_lost_with_its_dispatcher():
+    """The naming itself, without waiting on Ray: a routed input's GangRef (no dispatcher) and
+    Ray's OwnerDiedError name the dispatcher that owned the outputs and the method, never a
+    worker rank, and advise calling the method again rather than restart() (its gang may be up
+    again)."""
+    from ray.exceptions import OwnerDiedError
+
+    from twinkle_ray.runtime.lazy import GangRef
+
+    routed = GangRef("dl", "Keeper", dispatcher=None)
+    err = routed.death_error(OwnerDiedError("ab" * 14, None, ""), 0, method="get_value")
+    assert (err.kind, err.rank) == ("dispatcher", None)
+    assert str(err).startswith("the dispatcher of Keeper in group 'dl' died (node ?): the outputs "
+                               "of Keeper.get_value() were owned by it"), err
+    assert "Call Keeper.get_value() again" in str(err) and "torn down" not in str(err), err
+
+
 @pytest.mark.slow
 def test_an_output_made_before_a_dispatcher_respawn_is_named_lost_with_that_dispatcher(runtime):
     """A LazyResult kept from before the gang's dispatcher died and was respawned, passed to the
-    rebuilt gang: its outputs were owned by the dead dispatcher. Once Ray has let them go (on
-    one node it may serve a small one for a while after its owner died: the call then gets
-    the values), the call says so, naming that dispatcher (kind 'dispatcher', no rank) and the
-    method, as for another gang's dead producer; it said 'worker rank 0 ... died (node ?)'
-    before, a death the rebuilt gang never had. The rebuilt gang is not torn down by it."""
+    rebuilt gang: its outputs were owned by the dead dispatcher. On one node Ray may serve a
+    small one for a while after its owner died (seconds alone; over a minute once, in a full
+    suite), so each try must give either the right values or the error naming that dispatcher
+    (kind 'dispatcher', no rank) and the method; it said 'worker rank 0 ... died (node ?)'
+    before, a death the rebuilt gang never had. The rebuilt gang is not torn down by it. (The
+    naming is also tested without Ray's timing, above.)"""
     import ray
 
     runtime.initialize(groups=[DeviceGroup("dl", 2, "cpu")])
@@ -377,19 +395,18 @@ def test_an_output_made_before_a_dispatcher_respawn_is_named_lost_with_that_disp
     ray.get(old._plan_ref)  # its reply is here: only its outputs live in the dispatcher
     assert _kill_dispatcher_mid_call(g).kind == "dispatcher"
     assert g.get_value()() == [0, 0]  # respawned (no state saved to files): from its constructor
-    deadline = time.monotonic() + 60
-    while True:
+    deadline, err = time.monotonic() + 30, None
+    while err is None and time.monotonic() < deadline:
         try:
             got = g.take(old).get(timeout=LIMIT_S)
         except WorkerDiedError as e:
             err = e
             break
         assert got == [[30, 31], [30, 31]], got  # still served: the right values
-        assert time.monotonic() < deadline, "the dead dispatcher's outputs were never let go"
         time.sleep(1.0)
-    assert err.kind == "dispatcher" and err.rank is None, err
-    assert "worker rank" not in str(err), err
-    assert "Keeper.get_value()" in str(err) and str(err).startswith("the dispatcher of Keeper"), err
-    # the advice is to make them anew, not to restart (the gang is up: that would lose its state)
-    assert "Call Keeper.get_value() again" in str(err) and "torn down" not in str(err), err
+    if err is not None:
+        assert err.kind == "dispatcher" and err.rank is None, err
+        assert "worker rank" not in str(err), err
+        assert "Keeper.get_value()" in str(err) and str(err).startswith("the dispatcher of Keeper"), err
+        assert "Call Keeper.get_value() again" in str(err) and "torn down" not in str(err), err
     assert g.get_value()() == [0, 0]  # the rebuilt gang still serves
