@@ -13,6 +13,7 @@ import signal
 import time
 
 import pytest
+import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from test_metrics import _metrics_url, _wait_for
 
@@ -375,6 +376,34 @@ def test_an_output_whose_owner_died_is_named_lost_with_its_dispatcher():
     assert str(err).startswith("the dispatcher of Keeper in group 'dl' died (node ?): the outputs "
                                "of Keeper.get_value() were owned by it"), err
     assert "Call Keeper.get_value() again" in str(err) and "torn down" not in str(err), err
+
+
+@ray.remote(num_cpus=0)
+class _NoDeaths:
+    """A stand-in dispatcher that knows of no death."""
+
+    def death_of(self, actor_id, wait_s):
+        return None
+
+
+def test_a_lost_output_is_named_so_when_the_dispatcher_asked_knows_no_death(runtime):
+    """A collected output ('mean', 'sum', custom) is routed with its gang's GangRef, dispatcher
+    included; passed back to its own gang after a respawn, that is the new dispatcher, which
+    knows no death. Ray's OwnerDiedError then still names the outputs lost with the dispatcher
+    that owned them; it said 'worker rank 1 ... died (node ?) ... call .restart()' before."""
+    from ray.exceptions import OwnerDiedError
+
+    from twinkle_ray.runtime.lazy import GangRef
+
+    live = _NoDeaths.remote()
+    try:
+        mine = GangRef("dl", "Keeper", dispatcher=live)
+        err = mine.death_error(OwnerDiedError("ab" * 14, None, ""), 1, method="get_mean")
+        assert (err.kind, err.rank) == ("dispatcher", None), err
+        assert "outputs of Keeper.get_mean() were owned by it" in str(err), err
+        assert "worker rank" not in str(err) and "torn down" not in str(err), err
+    finally:
+        ray.kill(live)
 
 
 @pytest.mark.slow

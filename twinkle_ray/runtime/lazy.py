@@ -146,19 +146,14 @@ class GangRef:
         not this gang's. An unreachable worker (ActorUnavailableError) is waited on until the
         dispatcher tells an outage from a lost node. A dead dispatcher is named as such, and
         ``on_lost(self)`` is told (the proxy that made the call may rebuild it). So is the
-        owner of an output a consumer could not read (a routed input names its producer only,
-        without its dispatcher): that output's ``method`` and its owner, the dispatcher that
-        sent its task, which died (also when a new one has rebuilt the gang since).
+        owner of an output a consumer could not read (Ray's OwnerDiedError, when this GangRef
+        has no dispatcher to ask, as a routed input's has not, or its dispatcher knows of no
+        death, as a respawned one does not): that output's ``method`` and its owner, the
+        dispatcher that sent its task, which died (also when a new one has rebuilt the gang
+        since). A gang's outputs are only ever owned by a dispatcher of it.
         """
         if self.dispatcher is None and isinstance(exc, OwnerDiedError):
-            # the gang may well be up again by now: a restart() would lose its state for nothing
-            call = f"{self.cls_name}.{method}()" if method else f"the {self.cls_name} method"
-            return WorkerDiedError(self.group, self.cls_name, None, None,
-                                   f"the outputs of {call} were owned by it and are lost with "
-                                   f"it (Ray: the object's owner has exited)", kind="dispatcher",
-                                   advice=f"Call {call} again for new ones; rebuild its gang "
-                                          f"first only if it is still down (a restart() of a "
-                                          f"gang rebuilt since would lose its state).")
+            return self._outputs_lost(method)
         wait = OUTAGE_WAIT_S if isinstance(exc, ActorUnavailableError) else 2.0
         actor_id = getattr(exc, "actor_id", None)
         if self.dispatcher is not None:
@@ -181,7 +176,21 @@ class GangRef:
                     death.add_note(f"it produced an input of a call on {self.cls_name} in group "
                                    f"'{self.group}'")
                 return death
+        if isinstance(exc, OwnerDiedError):  # no death known here: an earlier dispatcher's outputs
+            return self._outputs_lost(method)
         return WorkerDiedError(self.group, self.cls_name, rank, None, death_cause(exc))
+
+    def _outputs_lost(self, method: str) -> WorkerDiedError:
+        """The outputs of ``method`` are lost with the dispatcher that owned them. No rank died,
+        and the gang may well be up again by now: a restart() would lose its state for
+        nothing, so the advice is to call the method again."""
+        call = f"{self.cls_name}.{method}()" if method else f"the {self.cls_name} method"
+        return WorkerDiedError(self.group, self.cls_name, None, None,
+                               f"the outputs of {call} were owned by it and are lost with it "
+                               f"(Ray: the object's owner has exited)", kind="dispatcher",
+                               advice=f"Call {call} again for new ones; rebuild its gang first "
+                                      f"only if it is still down (a restart() of a gang rebuilt "
+                                      f"since would lose its state).")
 
 
 def fetch(refs: list, workers: list[int], gang: GangRef, method: str, timeout: float | None,
