@@ -83,13 +83,12 @@ def test_a_peer_on_an_earlier_routed_call_is_not_stuck_by_a_named_one():
 def test_a_call_is_forgotten_whole_or_not_at_all():
     """The table drops the oldest calls with all their tasks: a failed rank's task is never
     known while its peer's task of the same call is forgotten."""
-    health, st, failures = _health(["t0-of-call-5", None], limit=3)
+    health, st, failures = _health(["t0-of-call-6", None], limit=3)
     st.tasks.add(5, ["t0-of-call-5", "t1-of-call-5"])
     st.tasks.add(6, ["t0-of-call-6", "t1-of-call-6"])  # over the limit: call 5 goes, whole
     assert st.tasks.number("t0-of-call-5") is None and st.tasks.number("t1-of-call-5") is None
-    st.tasks = TaskNumbers(limit=3)
-    st.tasks.add(5, ["t0-of-call-5", "t1-of-call-5"])
-    _report(health, "t1-of-call-5")
+    assert st.tasks.number("t0-of-call-6") == st.tasks.number("t1-of-call-6") == 6
+    _report(health, "t1-of-call-6")  # forgot call 5, and not half of call 6: rank 0 is stuck
     assert [e.stuck for e in failures] == [[0]]
 
 

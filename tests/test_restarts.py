@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import warnings
 
 import pytest
 import ray
@@ -430,10 +431,13 @@ def test_an_output_made_before_a_dispatcher_respawn_is_named_lost_with_that_disp
             got = g.take(old).get(timeout=LIMIT_S)
         except WorkerDiedError as e:
             err = e
-            break
-        assert got == [[30, 31], [30, 31]], got  # still served: the right values
-        time.sleep(1.0)
-    if err is not None:
+        else:
+            assert got == [[30, 31], [30, 31]], got  # still served: the right values
+            time.sleep(1.0)
+    if err is None:
+        warnings.warn("Ray still served the dead dispatcher's outputs after 30 s: only the "
+                      "right values were checked, not the error", stacklevel=1)
+    else:
         assert err.kind == "dispatcher" and err.rank is None, err
         assert "worker rank" not in str(err), err
         assert "Keeper.get_value()" in str(err) and str(err).startswith("the dispatcher of Keeper"), err

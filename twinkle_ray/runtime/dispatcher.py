@@ -336,16 +336,18 @@ class Dispatcher:
         named = not plan.balanced and "." not in plan.method and all(m.named for m in msgs)
         submit = self._submitters(plan.method, with_meta, workers, plan.balanced, inline, named)
         refs, metas = [], []
-        for i, msg in zip(plan.targets, msgs, strict=True):
-            args = msg.args if named else msg.task_args()
-            if with_meta:
-                payload, meta = submit[i].remote(*args, **msg.kwargs)
-                metas.append(meta)
-            else:
-                payload = submit[i].remote(*args, **msg.kwargs)
-            refs.append(payload)
-        if named:  # how its workers name the call (stuck check, failure report)
-            self.state.tasks.add(self.seq, [ref.task_id().hex() for ref in refs])
+        try:
+            for i, msg in zip(plan.targets, msgs, strict=True):
+                args = msg.args if named else msg.task_args()
+                if with_meta:
+                    payload, meta = submit[i].remote(*args, **msg.kwargs)
+                    metas.append(meta)
+                else:
+                    payload = submit[i].remote(*args, **msg.kwargs)
+                refs.append(payload)
+        finally:  # how its workers name the call (stuck check, failure report): also the
+            if named and refs:  # ranks that got it when a later rank's submit raised
+                self.state.tasks.add(self.seq, [ref.task_id().hex() for ref in refs])
         return CallOutput(refs=refs, metas=metas, workers=list(plan.targets), balanced=plan.balanced)
 
     async def next_chunk(self, gen: int, seq: int, group: int, k: int, n_chunks: int,

@@ -28,13 +28,15 @@ direct ref passing), behind one head, the bytes ``b'method/seq/len(lead)'``::
 
 Every task argument costs: Ray serialises each one on its own. Measured on an
 actor's 32 tasks (``python -m bench.probes``, BENCHMARKS.md, eighth to
-twelfth sessions), the head costs 0.08 ms per task on a quiet machine (0.13-0.18
-loaded) against none at all; as bytes less than as a str, an int or a tuple.
-A method name holds no ``/`` and no ``.``.
+twelfth sessions), the bytes head costs 0.08 ms per task on a quiet machine
+(0.13 loaded) against none at all; a str, an int or a tuple costs more.
+A method name holds no ``/``; one with a ``.`` keeps the head.
 
 So a call with no leading values (nothing routed: the common case) travels
-with **no head** (:meth:`WorkerCall.named`): only its arguments, as a task
-named ``'group/Class.method'`` (the name the dashboard shows anyway). The
+with **no head** (:attr:`WorkerCall.named`; unless it is balanced or its
+method's name has a ``.``): only its arguments, as a task named
+``'group/Class.method'`` (the name the dashboard shows anyway;
+``'Class.method'`` with metrics off). The
 worker reads the method from the task's name
 (``ray.get_runtime_context().get_task_name()``) and knows the call by the
 task's id (``get_task_id()``), which it reports in place of the number (the
@@ -92,8 +94,9 @@ class WorkerCall:
 
     @property
     def named(self) -> bool:
-        """Whether it can travel without a head: as a task named ``'<label>.<method>'`` whose
-        arguments are ``args`` alone (no leading values to count).
+        """Whether it can travel without a head (no leading values to count): as a task named
+        ``'<label>.<method>'`` whose arguments are ``args`` alone. The dispatcher also keeps
+        the head for a balanced call and for a method whose name has a ``.``.
 
         >>> WorkerCall("step", 3, (), (1,), {}).named, WorkerCall("step", 3, ("ref",), (), {}).named
         (True, False)
@@ -121,7 +124,8 @@ class WorkerCall:
 
     @classmethod
     def from_name(cls, name: str, task_id: str, args: tuple, kwargs: dict) -> WorkerCall:
-        """Rebuild a :attr:`named` call from its task's name ``'<label>.<method>'`` and id.
+        """Rebuild a :attr:`named` call from its task's name (``'group/Class.method'``, or
+        ``'Class.method'`` with metrics off: the method is after the last ``.``) and id.
 
         >>> WorkerCall.from_name("g.v2/Model.step", "ab12", (1,), {})
         WorkerCall(method='step', seq='ab12', lead=(), args=(1,), kwargs={})

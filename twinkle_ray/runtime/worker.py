@@ -209,7 +209,8 @@ class GangWorker:
     def run_named(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """``run`` for a call sent without a head (nothing routed: see
         :mod:`~twinkle_ray.runtime.message`): the method is the last part of the task's name
-        ``'group/Class.method'``, and the call is known by the task's id."""
+        (``'group/Class.method'``, or ``'Class.method'`` with metrics off), and the call is
+        known by the task's id."""
         return self._execute(_named_call(args, kwargs))
 
     def run_named_value(self, *args: Any, **kwargs: Any) -> Any:
