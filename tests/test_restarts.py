@@ -259,7 +259,6 @@ class Mortal(_Valued):
 
 
 def _kill_dispatcher_mid_call(g) -> WorkerDiedError:
-    import ray
 
     from conftest import NAMESPACE
 
@@ -312,7 +311,6 @@ def test_a_call_made_while_another_thread_replaces_the_dispatcher_goes_to_the_ne
     in the new turn, not to the dead one (before: a spurious 'dispatcher died' for a call made
     after the recovery), and a LazyResult of the old dispatcher in its arguments keeps its gang
     (it is not the new dispatcher's own output)."""
-    import ray
 
     from twinkle_ray.runtime import proxy as proxy_module
 
@@ -416,7 +414,6 @@ def test_an_output_made_before_a_dispatcher_respawn_is_named_lost_with_that_disp
     (kind 'dispatcher', no rank) and the method; it said 'worker rank 0 ... died (node ?)'
     before, a death the rebuilt gang never had. The rebuilt gang is not torn down by it. (The
     naming is also tested without Ray's timing, above.)"""
-    import ray
 
     runtime.initialize(groups=[DeviceGroup("dl", 2, "cpu")])
     g = Keeper(remote_group="dl")

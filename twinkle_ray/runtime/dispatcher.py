@@ -331,13 +331,11 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.called(plan.method)
         with_meta = plan.with_meta and not inline
-        msgs = plan.messages(self.seq)
-        # no head (see message); the worker reads the method after the name's last '.'
-        named = not plan.balanced and "." not in plan.method and all(m.named for m in msgs)
+        named = plan.named  # no head: see message
         submit = self._submitters(plan.method, with_meta, workers, plan.balanced, inline, named)
         refs, metas = [], []
         try:
-            for i, msg in zip(plan.targets, msgs, strict=True):
+            for i, msg in zip(plan.targets, plan.messages(self.seq), strict=True):
                 args = msg.args if named else msg.task_args()
                 if with_meta:
                     payload, meta = submit[i].remote(*args, **msg.kwargs)

@@ -33,8 +33,8 @@ twelfth sessions), the bytes head costs 0.08 ms per task on a quiet machine
 A method name holds no ``/``; one with a ``.`` keeps the head.
 
 So a call with no leading values (nothing routed: the common case) travels
-with **no head** (:attr:`WorkerCall.named`; unless it is balanced or its
-method's name has a ``.``): only its arguments, as a task named
+with **no head** (:attr:`~twinkle_ray.runtime.routing.CallPlan.named`; unless it
+is balanced or its method's name has a ``.``): only its arguments, as a task named
 ``'group/Class.method'`` (the name the dashboard shows anyway;
 ``'Class.method'`` with metrics off). The
 worker reads the method from the task's name
@@ -92,17 +92,6 @@ class WorkerCall:
     args: tuple
     kwargs: dict
 
-    @property
-    def named(self) -> bool:
-        """Whether it can travel without a head (no leading values to count): as a task named
-        ``'<label>.<method>'`` whose arguments are ``args`` alone. The dispatcher also keeps
-        the head for a balanced call and for a method whose name has a ``.``.
-
-        >>> WorkerCall("step", 3, (), (1,), {}).named, WorkerCall("step", 3, ("ref",), (), {}).named
-        (True, False)
-        """
-        return not self.lead
-
     def task_args(self) -> tuple:
         """The positional arguments of the task form: ``(head, *lead, *args)``; kwargs travel as
         keyword arguments. The head is ``b'method/seq/len(lead)'`` (bytes: see above)."""
@@ -124,7 +113,7 @@ class WorkerCall:
 
     @classmethod
     def from_name(cls, name: str, task_id: str, args: tuple, kwargs: dict) -> WorkerCall:
-        """Rebuild a :attr:`named` call from its task's name (``'group/Class.method'``, or
+        """Rebuild a call sent without a head from its task's name (``'group/Class.method'``, or
         ``'Class.method'`` with metrics off: the method is after the last ``.``) and id.
 
         >>> WorkerCall.from_name("g.v2/Model.step", "ab12", (1,), {})

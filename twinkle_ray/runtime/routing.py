@@ -54,6 +54,20 @@ class CallPlan:
     with_meta: bool  # the outputs need a length record (see needs_lengths)
     balanced: bool = False  # dispatch='balance': each rank loops over chunks (runtime.balance)
 
+    @property
+    def named(self) -> bool:
+        """Whether the call travels without a head (see :mod:`~twinkle_ray.runtime.message`):
+        no target has leading values to count, it is not balanced (chunk requests name the
+        call by its number), and the method's name has no ``.`` (the worker reads the method
+        after the task name's last ``.``).
+
+        >>> CallPlan("step", [0, 1], [(), ()], [(1,), (2,)], [{}, {}], True).named
+        True
+        >>> CallPlan("step", [0, 1], [(), ("ref",)], [(1,), (2,)], [{}, {}], True).named
+        False
+        """
+        return not self.balanced and "." not in self.method and not any(self.lead)
+
     def messages(self, seq: int) -> list[WorkerCall]:
         """Each target's WorkerCall for gang call number ``seq``."""
         return [WorkerCall(self.method, seq, lead, args, kwargs)
