@@ -27,6 +27,9 @@ import pytest  # noqa: E402
 
 NAMESPACE = "twinkle-tests"
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+# the checkout the tests run from (a git worktree included): its twinkle_ray, not the one the
+# venv's editable install points at, in the driver and in every Ray worker
+REPO_ROOT = os.path.dirname(TESTS_DIR)
 NUM_GPUS = 8
 NUM_CPUS = 16
 
@@ -45,7 +48,7 @@ def ray_session():
             namespace=NAMESPACE,
             log_to_driver=False,
             # Workers import classes defined in test modules by reference.
-            runtime_env={"env_vars": {"PYTHONPATH": TESTS_DIR}},
+            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([TESTS_DIR, REPO_ROOT])}},
         )
     yield ray
     ray.shutdown()

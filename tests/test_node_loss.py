@@ -48,7 +48,8 @@ def run_scenarios(names: list[str], timeout: float = 900) -> dict:
     # A temp dir of its own: the cluster's address file must not lead other Ray drivers on this
     # machine (ray.init() without an address reads it) to this short-lived cluster.
     tmp = tempfile.mkdtemp(prefix="twnl-", dir="/tmp")
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": HERE,
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           "PYTHONPATH": os.pathsep.join([HERE, REPO]),
            "RAY_TMPDIR": tmp}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, os.path.join(HERE, "node_loss_driver.py"), *names],
