@@ -92,8 +92,8 @@ class GangProxy:
         # A call saw the gang's dispatcher (the one in ``_gang``) die: the next call rebuilds it
         # (the creator's proxy) or looks it up by name (a copy). Never pickled.
         self._lost = False
-        # Set by the runtime that made this gang (never pickled): called once by close().
-        self._on_close: Callable[[], None] | None = None
+        # Called once by close(), in the order added (never pickled): see on_close().
+        self._close_callbacks: list[Callable[[], None]] = []
         self._methods: dict[str, RemoteMethod] = {}
         # Calls are numbered per proxy so the dispatcher takes them in the order made here.
         self._caller_id = uuid.uuid4().hex
@@ -455,14 +455,33 @@ class GangProxy:
         self._check_open()
         return ray.get(self._gang.dispatcher.describe.remote())
 
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once when this gang is closed (``close()``, ``shutdown()``), before
+        its workers are killed. A gang already closed calls it at once.
+
+        Example::
+
+            channel = open_channel(trainer, sampler)
+            sampler.on_close(channel.close)
+        """
+        if self._closed:
+            callback()
+            return
+        self._close_callbacks.append(callback)
+
     def close(self, reason: str = "closed") -> None:
         """Kill the workers and the dispatcher, and drop the gang from the runtime. Idempotent."""
         if self._closed:
             return
         self._closed = reason
         self._starting = None  # a start-up under way ends with the dispatcher, killed below
-        if self._on_close is not None:  # off the runtime's gang table; devices back to the group
-            self._on_close()
+        for callback in self._close_callbacks:  # e.g. off the runtime's gang table, devices back
+            try:  # to the group; weight channels that end at this gang closed
+                callback()
+            except Exception:  # one failing callback must not keep the gang alive
+                logger.warning("gang %s: a close callback failed", self._desc["label"],
+                               exc_info=True)
+        self._close_callbacks.clear()
         d = self._gang.dispatcher
         try:
             ray.get(d.stop.remote(), timeout=10)

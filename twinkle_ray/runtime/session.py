@@ -62,6 +62,23 @@ class Runtime:
     owned: dict = field(default_factory=dict)  # gang label -> (group, bundles it took devices of)
     labels: Counter = field(default_factory=Counter)
     adopted: set = field(default_factory=set)  # groups on a placement group someone else owns
+    # objects with a close() that live as long as this runtime (weight channels): closed by
+    # shutdown() before the gangs
+    resources: list = field(default_factory=list)
+
+    def own(self, resource: Any) -> None:
+        """Close ``resource`` (anything with a ``close()``) at ``shutdown()``, before the gangs.
+
+        Example::
+
+            twinkle_ray.runtime.session.current().own(channel)
+        """
+        if all(r is not resource for r in self.resources):
+            self.resources.append(resource)
+
+    def disown(self, resource: Any) -> None:
+        """Stop tracking ``resource`` (its owner closed it)."""
+        self.resources[:] = [r for r in self.resources if r is not resource]
 
     def group(self, name: str) -> DeviceGroup:
         if name not in self.groups:
@@ -95,7 +112,7 @@ class Runtime:
         label = proxy.label
         if group is not None:
             self.owned[label] = (group, list(bundles or []))
-        proxy._on_close = lambda: self.forget(label)
+        proxy.on_close(lambda: self.forget(label))
 
     def forget(self, label: str) -> None:
         """Drop the gang ``label`` from the table and give its devices back to the group."""
@@ -301,6 +318,12 @@ def shutdown() -> None:
 
 
 def _teardown(rt: Runtime) -> None:
+    for resource in list(rt.resources):  # before the gangs they join
+        try:
+            resource.close()
+        except Exception:
+            logger.warning("twinkle_ray.shutdown(): closing %r failed", resource, exc_info=True)
+    rt.resources.clear()
     if rt.mode != "ray":
         return
     import ray
