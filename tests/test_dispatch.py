@@ -193,8 +193,10 @@ def test_concat_dicts_key_wise():
     ])
     assert got['ids'] == [1, 2, 3]
     assert got['x'].tolist() == [1.0, 2.0, 3.0]
-    assert got['step'] == 3  # a replicated scalar stays one value
-    assert got['loss'] == [0.5, 0.25]  # differing scalars: one per piece
+    # a per-piece scalar is one value per piece, equal or not: the joined value's shape never
+    # depends on the data (a replicated 3 collapsing to 3 while 3, 4 gave [3, 4] broke callers)
+    assert got['step'] == [3, 3]
+    assert got['loss'] == [0.5, 0.25]
     assert got['sub']['t'].tolist() == [1, 2, 3]
 
 
@@ -236,8 +238,9 @@ def test_take_concat_round_trip(parts):
     assert back['ids'] == batch['ids']
     assert back['x'].tolist() == batch['x'].tolist()
     assert back['t'].tolist() == batch['t'].tolist()
-    assert back['temperature'] == 0.7
-    assert back['meta'] == {'names': list(batch['meta']['names']), 'tag': 'run'}
+    # scalars ride along with each piece and come back one per piece (never collapsed)
+    assert back['temperature'] == [0.7] * parts
+    assert back['meta'] == {'names': list(batch['meta']['names']), 'tag': ['run'] * parts}
 
 
 # ------------------------------------------------------------------ dispatch: slice / all
@@ -675,61 +678,3 @@ def test_module_imports_neither_torch_nor_ray():
     subprocess.run([sys.executable, '-c', code], check=True, timeout=60)
 
 
-# ------------------------------------------------------------------ routing.locate
-
-
-@pytest.mark.parametrize("lengths, start, stop, expected", [
-    ([4, 4], 0, 8, [(0, None), (1, None)]),
-    ([4, 4], 5, 7, [(1, (1, 3))]),             # inside one output
-    ([4, 0, 4], 2, 6, [(0, (2, 4)), (2, (0, 2))]),  # an empty output is skipped
-    ([4, 4], 3, 3, []),                         # an empty window needs nothing
-    ([3, 3, 3], 3, 6, [(1, None)]),
-])
-def test_locate(lengths, start, stop, expected):
-    from twinkle_ray.core.routing import locate
-
-    assert locate(lengths, start, stop) == expected
-
-
-# --------------------------------------------------------------------------- last_pp_first
-
-
-def test_last_pp_first_is_the_first_last_stage_result():
-    mesh = FakeMesh(pp=2, dp=2, tp=2)  # last stage: ranks 4..7
-    results = [{'loss': float(g)} for g in range(8)]
-    assert collect('last_pp_first', results, device_mesh=mesh) == {'loss': 4.0}
-    # worker indices out of order: still the smallest last-stage global rank
-    assert collect('last_pp_first', ['w7', 'w5', 'w0'], device_mesh=mesh, worker_indices=[7, 5, 0]) == 'w5'
-    # gpus_per_worker=2: worker w is global rank 2w, so worker 2 (rank 4) is the first on the last stage
-    assert collect('last_pp_first', ['a', 'b', 'c', 'd'], device_mesh=mesh, gpus_per_worker=2) == 'c'
-
-
-def test_last_pp_first_falls_back_to_the_first_result():
-    # pp = 1: every rank is on the last stage -> rank 0's result
-    assert collect('last_pp_first', ['r0', 'r1'], device_mesh=FakeMesh(dp=2, has_pp=False)) == 'r0'
-    # no mesh: the first result (Twinkle asserts a mesh; a gang without one has a single stage)
-    assert collect('last_pp_first', [3, 4]) == 3
-    # execute='first' on a pp=2 mesh: rank 0 is not on the last stage, its result is what there is
-    assert collect('last_pp_first', ['r0'], device_mesh=FakeMesh(pp=2, dp=1), worker_indices=[0]) == 'r0'
-
-
-def test_last_pp_first_tuples_element_wise():
-    mesh = FakeMesh(pp=2, dp=2)
-    results = [(g, {'m': g}) for g in range(4)]
-    assert collect('last_pp_first', results, device_mesh=mesh) == (2, {'m': 2})
-
-
-def test_collect_sources_read_what_collect_reads():
-    from twinkle_ray.core.dispatch import collect_sources
-    from twinkle_ray.core.mesh import DeviceMesh
-
-    mesh = DeviceMesh.from_sizes(pp_size=2, dp_size=2, tp_size=2)
-    workers = list(range(8))
-    assert collect_sources('last_pp', workers, device_mesh=mesh) == [4, 6]
-    assert collect_sources('last_pp_first', workers, device_mesh=mesh) == [4]
-    assert collect_sources('mean', workers, device_mesh=mesh) == workers
-    results = [[g] for g in workers]
-    for mode in ('last_pp', 'last_pp_first'):
-        keep = collect_sources(mode, workers, device_mesh=mesh)
-        assert collect(mode, [results[k] for k in keep], device_mesh=mesh,
-                       worker_indices=[workers[k] for k in keep]) == collect(mode, results, device_mesh=mesh)

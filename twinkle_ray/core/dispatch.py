@@ -34,7 +34,7 @@ from __future__ import annotations
 import numbers
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -42,7 +42,10 @@ __all__ = [
     'COLLECT_MODES',
     'DISPATCH_MODES',
     'EXECUTE_MODES',
+    'Split',
+    'View',
     'batch_len',
+    'call_targets',
     'check_collect',
     'check_dispatch',
     'check_execute',
@@ -50,6 +53,12 @@ __all__ = [
     'collect_sources',
     'concat',
     'dispatch',
+    'dispatch_one',
+    'elementwise',
+    'peer_workers',
+    'slice_length',
+    'split_arg',
+    'worker_splits',
     'split_sizes',
     'take',
     'worker_global_rank',
@@ -59,7 +68,7 @@ DISPATCH_MODES = ('slice', 'all', 'slice_dp', 'balance')
 EXECUTE_MODES = ('all', 'first', 'peer')
 COLLECT_MODES = ('none', 'flatten', 'mean', 'sum', 'first', 'last_pp', 'last_pp_first')
 
-WorkerCall = tuple[tuple, dict]
+WorkerArgs = tuple[tuple, dict]  # one worker's (args, kwargs)
 
 
 # --------------------------------------------------------------------------- checks
@@ -110,6 +119,38 @@ def check_collect(mode: Any) -> None:
     _check_mode('collect', mode, COLLECT_MODES, allow_callable=True)
 
 
+def call_targets(execute: str, caller: tuple[int, int] | None, n: int) -> list[int]:
+    """The gang ranks that run a call with this ``execute`` mode on a gang of ``n``.
+
+    ``'peer'``: the workers matching the caller's (rank, world size) when a worker of another
+    gang calls (:func:`peer_workers`); every worker otherwise.
+
+    >>> call_targets("first", None, 4), call_targets("all", None, 2), call_targets("peer", (1, 2), 4)
+    ([0], [0, 1], [2, 3])
+    """
+    if execute == 'first':
+        return [0]
+    if execute == 'peer' and caller is not None:
+        return peer_workers(caller[0], caller[1], n)
+    return list(range(n))
+
+
+def peer_workers(caller_rank: int, caller_world: int, n_workers: int) -> list[int]:
+    """The workers of a gang that answer a call made by rank ``caller_rank`` of another gang.
+
+    >>> peer_workers(1, 2, 4)   # 2 callers, 4 workers: each caller gets 2
+    [2, 3]
+    >>> peer_workers(3, 4, 2)   # 4 callers, 2 workers: callers 2, 3 share worker 1
+    [1]
+    """
+    if n_workers >= caller_world:
+        per = n_workers // caller_world
+        extra = n_workers % caller_world
+        start = caller_rank * per + min(caller_rank, extra)
+        return list(range(start, start + per + (1 if caller_rank < extra else 0)))
+    return [caller_rank * n_workers // caller_world]
+
+
 def worker_global_rank(worker_index: int, gpus_per_worker: int = 1) -> int:
     """Global (device-mesh) rank of the first device of worker ``worker_index``.
 
@@ -135,18 +176,42 @@ def _torch():
     return sys.modules.get('torch')
 
 
-def _is_tensor(obj: Any) -> bool:
+class View:
+    """A batch that the split and collect rules handle without holding its items.
+
+    :mod:`twinkle_ray.core.routing` runs the very functions of this module
+    (:func:`collect`, :func:`concat`, :func:`take`, :func:`batch_len`, and the split of
+    :func:`split_arg`) on views of a producer's outputs, to find which outputs a consumer's
+    part needs before any is fetched. A view has a batch length, can be narrowed
+    (``take``) and joined (``join``); nothing else.
+    """
+
+    __slots__ = ()
+
+    def batch_len(self) -> int:
+        raise NotImplementedError
+
+    def take(self, start: int, stop: int) -> View:
+        raise NotImplementedError
+
+    @classmethod
+    def join(cls, pieces: list) -> View:
+        """What :func:`concat` gives for ``pieces`` (views among them)."""
+        raise NotImplementedError
+
+
+def is_tensor(obj: Any) -> bool:
     torch = _torch()
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
 def _is_sliceable(obj: Any) -> bool:
     """A value with a batch dimension: list, tuple, ndarray / tensor with ndim >= 1."""
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, (list, tuple, View)):
         return True
     if isinstance(obj, np.ndarray):
         return obj.ndim >= 1
-    if _is_tensor(obj):
+    if is_tensor(obj):
         return obj.dim() >= 1
     return False
 
@@ -201,8 +266,10 @@ def batch_len(obj: Any) -> int | None:
         return len(obj)
     if isinstance(obj, np.ndarray):
         return int(obj.shape[0]) if obj.ndim >= 1 else None
-    if _is_tensor(obj):
+    if is_tensor(obj):
         return int(obj.shape[0]) if obj.dim() >= 1 else None
+    if isinstance(obj, View):
+        return obj.batch_len()
     return None
 
 
@@ -234,30 +301,23 @@ def take(obj: Any, start: int, stop: int) -> Any:
     """
     if isinstance(obj, dict):
         return {k: take(v, start, stop) for k, v in obj.items()}
+    if isinstance(obj, View):
+        return obj.take(start, stop)
     if _is_sliceable(obj):
         return obj[start:stop]
     return obj
 
 
-def _same_scalar(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    try:
-        equal = a == b
-    except Exception:
-        return False
-    return isinstance(equal, (bool, np.bool_)) and bool(equal)
-
-
 def concat(pieces: Sequence[Any]) -> Any:
-    """Join pieces along dim 0 -- the inverse of :func:`take`.
+    """Join pieces along dim 0 -- the inverse of :func:`take` for everything with a batch dimension.
 
     - lists / tuples -> one ``list``;
     - numpy arrays -> ``np.concatenate``; tensors -> ``torch.cat`` (a single piece is
       returned as is, without a copy);
     - dicts -> key by key (keys in order of first appearance); a key whose values have no
-      batch dimension gives the value itself when every piece holds the same one (a
-      replicated scalar, as :func:`take` leaves it) and the list of values otherwise;
+      batch dimension gives the list of its values, one per piece that has the key, whatever
+      they are (values that happen to be equal never collapse into one: the shape of a
+      joined value never depends on the data);
     - a mix of lists, tuples, arrays and tensors -> one ``list`` of their dim-0 items;
     - pieces that all lack a batch dimension (one number per worker) -> the list of them.
 
@@ -269,11 +329,13 @@ def concat(pieces: Sequence[Any]) -> Any:
         >>> concat([[1, 2], (3,), [4]])
         [1, 2, 3, 4]
         >>> concat([{'ids': [1], 'step': 3}, {'ids': [2, 3], 'step': 3}])
-        {'ids': [1, 2, 3], 'step': 3}
+        {'ids': [1, 2, 3], 'step': [3, 3]}
     """
     pieces = list(pieces)
     if not pieces:
         return []
+    if any(isinstance(p, View) for p in pieces):
+        return next(p for p in pieces if isinstance(p, View)).join(pieces)
     if all(isinstance(p, dict) for p in pieces):
         return _concat_dicts(pieces)
     if not any(isinstance(p, dict) or _is_sliceable(p) for p in pieces):
@@ -294,7 +356,7 @@ def concat(pieces: Sequence[Any]) -> Any:
         return [item for piece in pieces for item in piece]
     if all(isinstance(p, np.ndarray) for p in pieces):
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
-    if all(_is_tensor(p) for p in pieces):
+    if all(is_tensor(p) for p in pieces):
         return pieces[0] if len(pieces) == 1 else _torch().cat(pieces, dim=0)
     # A mix of sequence types: a plain list of the dim-0 items, like one worker's list.
     return [item for piece in pieces for item in piece]
@@ -311,8 +373,6 @@ def _concat_dicts(pieces: list[dict]) -> dict:
             out[key] = _concat_dicts(values)
         elif all(_is_sliceable(v) for v in values):
             out[key] = concat(values)
-        elif all(_same_scalar(values[0], v) for v in values[1:]):
-            out[key] = values[0]
         else:
             out[key] = values
     return out
@@ -351,7 +411,7 @@ def dispatch(
     gpus_per_worker: int = 1,
     method: str = '?',
     group: str = '?',
-) -> list[WorkerCall]:
+) -> list[WorkerArgs]:
     """Build the ``(args, kwargs)`` of every worker for one call.
 
     Args:
@@ -397,24 +457,33 @@ def dispatch(
     return _dispatch_slice_dp(n_workers, args, kwargs, device_mesh, gpus_per_worker, method, group)
 
 
-def _dispatch_callable(fn, n_workers, args, kwargs, device_mesh, method, group) -> list[WorkerCall]:
+def _dispatch_callable(fn, n_workers, args, kwargs, device_mesh, method, group) -> list[WorkerArgs]:
+    return [dispatch_one(fn, n_workers, i, args, kwargs, device_mesh, method, group)
+            for i in range(n_workers)]
+
+
+def dispatch_one(fn: Callable, n_workers: int, i: int, args: tuple, kwargs: dict,
+                 device_mesh: Any = None, method: str = '?', group: str = '?') -> WorkerArgs:
+    """Worker ``i``'s ``(args, kwargs)`` under a dispatch function ``fn(n_workers, i, args,
+    kwargs, device_mesh)``; TypeError naming it unless it returns a tuple and a dict.
+
+    >>> dispatch_one(lambda n, i, a, kw, m: (a[i::n], kw), 2, 1, (0, 1, 2, 3), {})
+    ((1, 3), {})
+    """
     name = getattr(fn, '__qualname__', None) or repr(fn)
-    out = []
-    for i in range(n_workers):
-        produced = fn(n_workers, i, args, dict(kwargs), device_mesh)
-        if (
-            not isinstance(produced, (tuple, list))
-            or len(produced) != 2
-            or not isinstance(produced[0], (tuple, list))
-            or not isinstance(produced[1], dict)
-        ):
-            raise TypeError(
-                f'{_where(method, group)}: dispatch function {name} must return (args, kwargs) '
-                f'with a tuple and a dict; for worker {i} it returned {type(produced).__name__} '
-                f'{_short_repr(produced)}'
-            )
-        out.append((tuple(produced[0]), dict(produced[1])))
-    return out
+    produced = fn(n_workers, i, args, dict(kwargs), device_mesh)
+    if (
+        not isinstance(produced, (tuple, list))
+        or len(produced) != 2
+        or not isinstance(produced[0], (tuple, list))
+        or not isinstance(produced[1], dict)
+    ):
+        raise TypeError(
+            f'{_where(method, group)}: dispatch function {name} must return (args, kwargs) '
+            f'with a tuple and a dict; for worker {i} it returned {type(produced).__name__} '
+            f'{_short_repr(produced)}'
+        )
+    return tuple(produced[0]), dict(produced[1])
 
 
 def _short_repr(obj: Any, limit: int = 80) -> str:
@@ -422,30 +491,94 @@ def _short_repr(obj: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + '...'
 
 
-def _dispatch_slice(n_workers, args, kwargs, method, group) -> list[WorkerCall]:
-    lengths = {p: len(v) for p, v in _named_args(args, kwargs) if isinstance(v, list)}
+def _dispatch_slice(n_workers, args, kwargs, method, group) -> list[WorkerArgs]:
+    lengths = {_arg_name(p): len(v) for p, v in _named_args(args, kwargs) if isinstance(v, list)}
     if not lengths:
         shared = (args, kwargs)
         return [shared] * n_workers
+    n = slice_length(lengths, method, group)
+    out = []
+    for i in range(n_workers):
+        cut = Split('slice', n_workers, i, method, group, slice_len=n)
+        out.append((
+            tuple(split_arg(cut, v, _arg_name(p)) for p, v in enumerate(args)),
+            {k: split_arg(cut, v, _arg_name(k)) for k, v in kwargs.items()},
+        ))
+    return out
+
+
+def slice_length(lengths: dict[str, int], method: str = '?', group: str = '?') -> int | None:
+    """The one length of the list arguments a ``'slice'`` call cuts (``lengths``: by argument
+    name), None without any; ValueError naming each when they differ.
+
+    >>> slice_length({'argument 0': 4, "argument 'b'": 4})
+    4
+    """
     distinct = set(lengths.values())
     if len(distinct) > 1:
-        found = ', '.join(f'{_arg_name(p)}: {n}' for p, n in lengths.items())
+        found = ', '.join(f'{name}: {n}' for name, n in lengths.items())
         raise ValueError(
             f"{_where(method, group)}: dispatch='slice' splits every list argument the same way, "
             f'but their lengths differ ({found})'
         )
-    n = distinct.pop()
-    if n < n_workers:
-        location = ', '.join(_arg_name(p) for p in lengths)
-        raise _too_small(method, group, n, n_workers, location, note=f"; dispatch='slice' over {n_workers} workers")
-    out = []
-    for i in range(n_workers):
-        start, stop = _span(n, n_workers, i)
-        out.append((
-            tuple(v[start:stop] if isinstance(v, list) else v for v in args),
-            {k: v[start:stop] if isinstance(v, list) else v for k, v in kwargs.items()},
-        ))
-    return out
+    return distinct.pop() if distinct else None
+
+
+class Split(NamedTuple):
+    """How one worker's part of a sliced argument is cut: part ``index`` of ``parts``.
+
+    ``mode`` is the dispatch mode: ``'slice_dp'`` cuts every list, tuple, array and tensor
+    (dicts key by key) by its own length, ``parts`` being the data-parallel size and
+    ``index`` the worker's data rank; ``'slice'`` cuts a top-level ``list`` only, over the
+    ``parts`` workers. ``slice_len``: under ``'slice'``, the length every list argument of the
+    call must have (they are cut the same way), None when no other argument sets it.
+    ``method`` and ``group`` are named in errors.
+
+    Example::
+
+        >>> split_arg(Split('slice_dp', 2, 1), {'ids': [1, 2, 3], 't': 0.5}, 'argument 0')
+        {'ids': [3], 't': 0.5}
+    """
+
+    mode: str
+    parts: int
+    index: int
+    method: str = '?'
+    group: str = '?'
+    slice_len: int | None = None
+
+
+def split_arg(split: Split, value: Any, location: str) -> Any:
+    """The worker's part of one argument ``value`` (``location`` names it in errors): the one
+    rule that :func:`dispatch` applies to every argument, and routing to a LazyResult's value.
+
+    ValueError for a batch smaller than ``split.parts`` (every type), and under ``'slice'``
+    for a list whose length is not ``split.slice_len``.
+    """
+    if split.mode == 'slice':
+        if not is_list(value):
+            return value
+        n = batch_len(value)
+        if split.slice_len is not None and n != split.slice_len:
+            raise ValueError(
+                f"{_where(split.method, split.group)}: dispatch='slice' splits every list argument "
+                f'the same way, but their lengths differ ({location}: {n}; the others: '
+                f'{split.slice_len})')
+        if n < split.parts:
+            raise _too_small(split.method, split.group, n, split.parts, location,
+                             note=f"; dispatch='slice' over {split.parts} workers")
+        return take(value, *_span(n, split.parts, split.index))
+    _check_dp_sizes(value, split.parts, location, split.method, split.group)
+    return _split_dp(value, lambda n: _span(n, split.parts, split.index))
+
+
+def is_list(value: Any) -> bool:
+    """A ``list`` (or a view of one): what ``'slice'`` cuts.
+
+    >>> is_list([1]), is_list((1,))
+    (True, False)
+    """
+    return isinstance(value, list) or (isinstance(value, View) and value.kind == 'list')
 
 
 def _check_dp_sizes(value: Any, dp: int, location: str, method: str, group: str) -> None:
@@ -458,14 +591,13 @@ def _check_dp_sizes(value: Any, dp: int, location: str, method: str, group: str)
             raise _too_small(method, group, n, dp, location)
 
 
-def _split_dp(value: Any, piece: Callable[[int], slice]) -> Any:
+def _split_dp(value: Any, window: Callable[[int], tuple[int, int]]) -> Any:
     if isinstance(value, dict):
-        split = {k: _split_dp(v, piece) for k, v in value.items()}
+        split = {k: _split_dp(v, window) for k, v in value.items()}
         # Nothing sliced inside: hand on the caller's dict itself (no copy per worker).
         return value if all(split[k] is value[k] for k in value) else split
     if _is_sliceable(value):
-        s = piece(batch_len(value))
-        return value[s.start:s.stop]
+        return take(value, *window(batch_len(value)))
     return value
 
 
@@ -510,29 +642,38 @@ def span(n: int, parts: int, index: int) -> tuple[int, int]:
     return _span(n, parts, index)
 
 
-def _dispatch_slice_dp(n_workers, args, kwargs, mesh, gpus_per_worker, method, group) -> list[WorkerCall]:
+def _dispatch_slice_dp(n_workers, args, kwargs, mesh, gpus_per_worker, method, group) -> list[WorkerArgs]:
     dp, data_ranks = worker_data_ranks(n_workers, mesh, gpus_per_worker, method, group)
-
-    for position, value in _named_args(args, kwargs):
+    for position, value in _named_args(args, kwargs):  # every argument checked before any is cut
         _check_dp_sizes(value, dp, _arg_name(position), method, group)
-
-    by_data_rank: dict[int, WorkerCall] = {}
+    by_data_rank: dict[int, WorkerArgs] = {}
     out = []
     for data_rank in data_ranks:
         call = by_data_rank.get(data_rank)
-        if call is None:
-
-            def piece(n: int, _d: int = data_rank) -> slice:
-                # == mesh.get_slice(n, <data rank>): contiguous divmod split by data rank.
-                return slice(*_span(n, dp, _d))
-
-            call = (
-                tuple(_split_dp(v, piece) for v in args),
-                {k: _split_dp(v, piece) for k, v in kwargs.items()},
+        if call is None:  # == mesh.get_slice(n, <data rank>): contiguous divmod split by data rank
+            cut = Split('slice_dp', dp, data_rank, method, group)
+            call = by_data_rank[data_rank] = (
+                tuple(split_arg(cut, v, _arg_name(p)) for p, v in enumerate(args)),
+                {k: split_arg(cut, v, _arg_name(k)) for k, v in kwargs.items()},
             )
-            by_data_rank[data_rank] = call
         out.append(call)
     return out
+
+
+def worker_splits(mode: Any, n_workers: int, *, device_mesh: Any = None, gpus_per_worker: int = 1,
+                  method: str = '?', group: str = '?') -> list[Split | None]:
+    """Each worker's :class:`Split` under dispatch ``mode`` (None for a mode that cuts nothing
+    by itself: ``'all'``, ``'balance'``, a callable): how a value routed to it is cut.
+
+    >>> [s.index for s in worker_splits('slice_dp', 4, device_mesh=None)]
+    [0, 1, 2, 3]
+    """
+    if mode == 'slice':
+        return [Split('slice', n_workers, i, method, group) for i in range(n_workers)]
+    if mode == 'slice_dp':
+        dp, data_ranks = worker_data_ranks(n_workers, device_mesh, gpus_per_worker, method, group)
+        return [Split('slice_dp', dp, d, method, group) for d in data_ranks]
+    return [None] * n_workers
 
 
 # --------------------------------------------------------------------------- collect
@@ -570,7 +711,9 @@ def collect(
     falls back to rank 0's.
 
     When every result is a tuple of one length, element ``k`` of the answer is
-    ``collect(mode, [r[k] for r in results])`` (a namedtuple keeps its type).
+    ``collect(mode, [r[k] for r in results])`` (a namedtuple keeps its type). For
+    ``'last_pp'`` and ``'last_pp_first'`` only the results they keep count (see
+    :func:`collect_sources`), so the answer is the same whether the others were fetched or not.
     An empty ``results`` gives ``[]``.
 
     Example::
@@ -592,9 +735,14 @@ def collect(
             )
     if not results:
         return []
+    if mode in ('last_pp', 'last_pp_first'):  # only these results count, for the tuple check too
+        keep = collect_sources(mode, worker_indices, device_mesh=device_mesh,
+                               gpus_per_worker=gpus_per_worker)
+        results = [results[k] for k in keep]
+        worker_indices = [worker_indices[k] for k in keep]
 
     first = results[0]
-    if isinstance(first, tuple) and all(isinstance(r, tuple) and len(r) == len(first) for r in results):
+    if elementwise(results):
         elements = [
             collect(
                 mode,
@@ -618,11 +766,23 @@ def collect(
     if mode in ('mean', 'sum'):
         return _reduce(mode, results, 'results')
     if mode == 'last_pp_first':
-        return results[_last_pp_first(worker_indices, device_mesh, gpus_per_worker)]
-    picked = [results[k] for k in _last_pp_picks(worker_indices, device_mesh, gpus_per_worker)]
-    if all(isinstance(p, dict) for p in picked) or all(_is_sliceable(p) for p in picked):
-        return concat(picked)
-    return picked
+        return results[0]
+    if all(isinstance(p, dict) for p in results) or all(_is_sliceable(p) for p in results):
+        return concat(results)
+    return results
+
+
+def elementwise(results: Sequence[Any]) -> bool:
+    """Whether :func:`collect` joins ``results`` element by element: they are all tuples of one
+    length (a method with several return values).
+
+    >>> elementwise([(1, 2), (3, 4)]), elementwise([(1, 2), [3, 4]]), elementwise([])
+    (True, False, False)
+    """
+    if not results or not isinstance(results[0], tuple):
+        return False
+    n = len(results[0])
+    return all(isinstance(r, tuple) and len(r) == n for r in results)
 
 
 def collect_sources(

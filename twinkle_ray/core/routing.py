@@ -1,114 +1,470 @@
-"""Which producer outputs cover which consumer slice (pure, no Ray).
+"""The routing rule: what a consumer rank receives for a LazyResult argument (pure, no Ray).
 
-A LazyResult is a list of per-rank outputs whose concatenation is the value.
-When it is passed to another gang, each consumer worker needs only the part of
-that concatenation its dispatch mode gives it (``dispatch.span`` of its data
-rank); ``locate`` says which producer outputs (and which ranges inside them)
-make up that part. Each consumer worker runs it on the producers' length records
-(:func:`length_record`: a tuple result's record has one length per element, since
-``collect`` joins tuples element-wise).
+One rule, written once::
 
-Example: producer dp=4 yields 4 outputs of 25 items; a dp=2 consumer's rank 0
-gets items [0, 50), rank 1 items [50, 100)::
+    value(rank) = split(collect(mode, producer outputs))[rank]
 
-    >>> locate([25, 25, 25, 25], 0, 50)
-    [(0, None), (1, None)]
-    >>> locate([25, 25, 25, 25], 10, 60)
-    [(0, (10, 25)), (1, None), (2, (0, 10))]
+exactly what the rank would receive had the caller fetched the result and passed the
+value: :func:`~twinkle_ray.core.dispatch.collect` joins the outputs as ``get()`` does, and
+:func:`~twinkle_ray.core.dispatch.split_arg` cuts the value as :func:`dispatch` cuts a passed
+argument. A result of several return values (tuple results, joined element-wise) is cut
+element by element, each element as an argument in its place.
+
+**The fast path computes that same value with those same functions.** Each producer output
+comes with a *record* (:func:`record_of`: its structure, with the length, type and dtype of
+every sequence in it, none of its items). The consumer builds a *skeleton* of every output
+from its record, with :class:`~twinkle_ray.core.dispatch.View` s in place of the sequences,
+and runs the real ``collect`` and ``split_arg`` on the skeletons. What comes out names the
+outputs (and the ranges in them) the rank's part is made of: only those are fetched, and the
+part is assembled from them with the real ``take`` and ``concat``. Where a join cannot be
+windowed without the whole value (sequences of different types or dtypes under one key, a
+very long tuple, an error), the consumer fetches every output it reads, collects and splits:
+the rule itself, literally.
+
+Example: a dp=4 producer's ``collect='flatten'`` result, routed to data rank 1 of a
+``slice_dp`` consumer of data-parallel size 2, pulls outputs 2 and 3 only::
+
+    >>> from twinkle_ray.core.dispatch import Split
+    >>> outputs = [{'ids': [0, 1], 'n': 2}, {'ids': [2, 3], 'n': 2},
+    ...            {'ids': [4, 5], 'n': 2}, {'ids': [6, 7], 'n': 2}]
+    >>> source = Source('flatten', [record_of(o) for o in outputs], workers=[0, 1, 2, 3])
+    >>> pulled = []
+    >>> fetch = lambda ks: [pulled.append(k) or outputs[k] for k in ks]
+    >>> route(source, Split('slice_dp', 2, 1), fetch)
+    {'ids': [4, 5, 6, 7], 'n': [2, 2]}
+    >>> pulled
+    [2, 3]
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from .dispatch import batch_len
+import numpy as np
+
+from .balance import in_input_order, locate_positions, total_items
+from .dispatch import (
+    Split,
+    View,
+    batch_len,
+    collect,
+    collect_sources,
+    concat,
+    elementwise,
+    is_list,
+    is_tensor,
+    split_arg,
+    take,
+)
+
+# A tuple this long in an output is recorded by its length only (a skeleton of every element
+# would cost more than it saves): a result holding one is collected whole.
+TUPLE_RECORD_MAX = 256
+# Collect modes whose join can be windowed from the records (the others reduce or pick
+# whole outputs: their sources are fetched and collected).
+WINDOWED = ("flatten", "none", "first")
 
 
-def locate(lengths: list[int], start: int, stop: int) -> list[tuple[int, tuple[int, int] | None]]:
-    """Producer outputs covering items [start, stop) of their concatenation.
+class NotWindowable(Exception):
+    """The skeletons cannot stand for the outputs: collect them whole."""
 
-    Returns (output index, window inside that output) pairs in order; the
-    window is None when the whole output is used.
+
+# --------------------------------------------------------------------------- records
+
+
+def record_of(value: Any, _top: bool = True) -> tuple:
+    """The record of one producer output: its structure, never its items.
+
+    Dicts record their keys and each value's record; a tuple at the top (or inside a top-level
+    tuple: a method's several return values) each element's; a list, tuple, array or tensor
+    elsewhere is a *sequence* (type, length, dtype and trailing shape); anything else is a
+    leaf.
+
+    >>> record_of({'ids': [1, 2, 3], 'loss': 0.5})
+    ('d', ('ids', 'loss'), (('s', 'list', 3, None), ('x',)))
+    >>> record_of(([1, 2], 0.5))
+    ('t', None, (('s', 'list', 2, None), ('x',)))
     """
-    pieces: list[tuple[int, tuple[int, int] | None]] = []
-    offset = 0
-    for k, n in enumerate(lengths):
-        lo, hi = max(start, offset), min(stop, offset + n)
-        if lo < hi:
-            pieces.append((k, None if (lo, hi) == (offset, offset + n) else (lo - offset, hi - offset)))
-        offset += n
-        if offset >= stop:
-            break
-    return pieces
+    if isinstance(value, dict):
+        return ("d", tuple(value), tuple(record_of(v, False) for v in value.values()))
+    if isinstance(value, tuple) and _top:
+        if len(value) > TUPLE_RECORD_MAX:
+            return ("T", len(value))
+        kind = type(value) if hasattr(type(value), "_fields") else None
+        return ("t", kind, tuple(record_of(v, True) for v in value))
+    if isinstance(value, list | tuple):
+        return ("s", type(value).__name__ if type(value) in (list, tuple) else "list", len(value),
+                None)
+    if isinstance(value, np.ndarray) and value.ndim >= 1:
+        return ("s", "ndarray", int(value.shape[0]), (value.dtype.str, tuple(value.shape[1:])))
+    if is_tensor(value) and value.dim() >= 1:
+        return ("s", "tensor", int(value.shape[0]), (str(value.dtype), tuple(value.shape[1:])))
+    return ("x",)
 
 
-def peer_workers(caller_rank: int, caller_world: int, n_workers: int) -> list[int]:
-    """The workers of a gang that answer a call made by rank ``caller_rank`` of another gang.
+def record_balanced(value: Any, positions: list[tuple[int, int]]) -> tuple:
+    """The record of one rank's output of a ``dispatch='balance'`` call: its positions record
+    (the input ranges its items answer) and its structure (None when it ran no chunk)."""
+    return ("b", list(positions), None if value is None else record_of(value))
 
-    >>> peer_workers(1, 2, 4)   # 2 callers, 4 workers: each caller gets 2
-    [2, 3]
-    >>> peer_workers(3, 4, 2)   # 4 callers, 2 workers: callers 2, 3 share worker 1
-    [1]
+
+# --------------------------------------------------------------------------- views
+
+
+class Piece(View):
+    """Items ``[start, stop)`` of the sequence at ``path`` in output ``k``, of type ``kind``
+    ('list', 'tuple', 'ndarray', 'tensor'; ``extra``: an array's dtype and trailing shape)."""
+
+    __slots__ = ("k", "path", "start", "stop", "kind", "extra")
+
+    def __init__(self, k: int, path: tuple, start: int, stop: int, kind: str, extra: Any = None):
+        self.k, self.path, self.start, self.stop, self.kind, self.extra = (
+            k, path, start, stop, kind, extra)
+
+    def batch_len(self) -> int:
+        return self.stop - self.start
+
+    def take(self, start: int, stop: int) -> Piece:
+        a, b, _ = slice(start, stop).indices(self.stop - self.start)
+        return Piece(self.k, self.path, self.start + a, self.start + max(a, b), self.kind,
+                     self.extra)
+
+    @classmethod
+    def join(cls, pieces: list) -> Joined:
+        return Joined.of(pieces)
+
+    def __repr__(self) -> str:
+        return f"Piece(out {self.k}{list(self.path)}[{self.start}:{self.stop}] {self.kind})"
+
+
+class Joined(View):
+    """What :func:`~twinkle_ray.core.dispatch.concat` makes of sequences: their segments
+    ``(k, path, start, stop)`` one after another, as one ``kind`` ('list', 'ndarray', 'tensor')."""
+
+    __slots__ = ("segments", "kind", "extra")
+
+    def __init__(self, segments: list[tuple[int, tuple, int, int]], kind: str, extra: Any = None):
+        self.segments, self.kind, self.extra = segments, kind, extra
+
+    @classmethod
+    def of(cls, pieces: list) -> Joined:
+        """``concat(pieces)``: every piece a sequence view of one type family (lists and tuples
+        join as a list; arrays or tensors of one dtype and trailing shape as one of them),
+        else NotWindowable (the real join decides)."""
+        segments, kinds = [], set()
+        for p in pieces:
+            if isinstance(p, Piece):
+                segments.append((p.k, p.path, p.start, p.stop))
+                kinds.add(("list", None) if p.kind in ("list", "tuple") else (p.kind, p.extra))
+            elif isinstance(p, Joined):
+                segments.extend(p.segments)
+                kinds.add((p.kind, p.extra))
+            else:
+                raise NotWindowable(f"a {type(p).__name__} joined with sequences")
+        if len(kinds) != 1:
+            raise NotWindowable(f"sequences of different types joined: {sorted(map(str, kinds))}")
+        kind, extra = kinds.pop()
+        return cls(segments, kind, extra)
+
+    @classmethod
+    def join(cls, pieces: list) -> Joined:
+        return cls.of(pieces)
+
+    def batch_len(self) -> int:
+        return sum(b - a for _, _, a, b in self.segments)
+
+    def take(self, start: int, stop: int) -> Joined:
+        start, stop, _ = slice(start, stop).indices(self.batch_len())
+        kept, offset = [], 0
+        for k, path, a, b in self.segments:
+            lo, hi = max(start, offset), min(stop, offset + b - a)
+            if lo < hi:
+                kept.append((k, path, a + lo - offset, a + hi - offset))
+            offset += b - a
+        if not kept and self.segments:  # nothing: an empty part of the first, for its type
+            k, path, a, _ = self.segments[0]
+            kept = [(k, path, a, a)]
+        return Joined(kept, self.kind, self.extra)
+
+    def __repr__(self) -> str:
+        return f"Joined({self.segments}, {self.kind})"
+
+
+class Leaf:
+    """The value at ``path`` in output ``k``, whole (no batch dimension)."""
+
+    __slots__ = ("k", "path")
+
+    def __init__(self, k: int, path: tuple):
+        self.k, self.path = k, path
+
+    def __repr__(self) -> str:
+        return f"Leaf(out {self.k}{list(self.path)})"
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+@dataclass
+class Source:
+    """A producer's outputs as a consumer sees them before fetching any.
+
+    ``mode``: the producer's collect mode (a name or a callable); ``records``: each output's
+    record (:func:`record_of`, :func:`record_balanced`), None when none were kept (the outputs
+    are then collected whole); ``workers``: the producer gang rank of each output; ``mesh``
+    and ``gpus_per_worker``: the producer's, for ``'last_pp'``; ``balanced``: the outputs of a
+    ``dispatch='balance'`` call (joined in input order, whatever the mode).
     """
-    if n_workers >= caller_world:
-        per = n_workers // caller_world
-        extra = n_workers % caller_world
-        start = caller_rank * per + min(caller_rank, extra)
-        return list(range(start, start + per + (1 if caller_rank < extra else 0)))
-    return [caller_rank * n_workers // caller_world]
+
+    mode: Any
+    records: list | None
+    workers: list[int] = field(default_factory=list)
+    mesh: Any = None
+    gpus_per_worker: int = 1
+    balanced: bool = False
+
+    @property
+    def n(self) -> int:
+        return len(self.workers)
 
 
-@dataclass(frozen=True)
-class TupleLengths:
-    """Length record of a tuple result: one record per element.
-
-    ``collect`` joins tuple results element-wise (element ``j`` of the value is the join of
-    every rank's element ``j``), so routing slices each element by its own length. A record
-    is an ``int`` (a batch length), ``None`` (no batch dimension) or a TupleLengths.
+class Routed:
+    """One LazyResult's value in a consumer, before any of it is fetched: its join, as
+    skeletons when the records allow it (see the module docstring), else fetched whole
+    (once, on first need). ``fetch(ks)`` returns producer outputs ``ks``.
 
     Example::
 
-        >>> length_record(([1, 2, 3], {'x': [1, 2]}, 0.5))
-        TupleLengths(items=(3, 2, None))
+        routed = Routed(source, fetch)
+        routed.list_lengths('argument 0')              # what 'slice' would cut, by name
+        part = routed.part(Split('slice_dp', 2, 0))    # fetches only what the part needs
     """
 
-    items: tuple
+    def __init__(self, source: Source, fetch: Callable[[list[int]], list]):
+        self.source, self.fetch = source, fetch
+        self._real: tuple[Any, tuple | None] | None = None
+        self._skeleton: tuple[Any, tuple | None, dict] | None = None
+        if source.records is not None and (source.balanced or source.mode in WINDOWED):
+            try:
+                self._skeleton = _skeleton_value(source)
+            except Exception:  # noqa: BLE001 -- not windowable (or an error the real join raises)
+                self._skeleton = None
 
-    def __len__(self) -> int:
-        return len(self.items)
+    def whole(self) -> tuple[Any, tuple | None]:
+        """(the joined value, its element tree), fetched: the rule, literally."""
+        if self._real is None:
+            self._real = join(self.source, self.fetch)
+        return self._real
+
+    def part(self, split: Split | None, location: str = "argument") -> Any:
+        """``split_value(split, joined value)`` (the whole value when ``split`` is None),
+        fetching only the outputs it is made of when the skeletons allow it."""
+        if split is None:
+            return self.whole()[0]
+        if self._skeleton is not None:
+            value, tree, originals = self._skeleton
+            try:
+                part = split_value(split, value, tree, location)
+            except Exception:  # noqa: BLE001 -- the real value raises the error, with its types
+                part = None
+            if part is not None:
+                needed = sorted(_outputs_in(part, originals))
+                got = dict(zip(needed, self.fetch(needed), strict=True))
+                return _fill(part, originals, got)
+        value, tree = self.whole()
+        return split_value(split, value, tree, location)
+
+    def list_lengths(self, location: str = "argument") -> dict[str, int]:
+        """The lengths of the lists ``'slice'`` would cut in this value, by name: the value
+        itself, or each element of several return values (the rule cuts them all alike)."""
+        value, tree = (self._skeleton[:2] if self._skeleton is not None else self.whole())
+        found: dict[str, int] = {}
+
+        def walk(v: Any, t: tuple | None, where: str) -> None:
+            if t is None:
+                if is_list(v):
+                    found[where] = batch_len(v)
+                return
+            for j, (x, u) in enumerate(zip(v, t, strict=True)):
+                walk(x, u, f"{where} element [{j}]")
+
+        walk(value, tree, location)
+        return found
 
 
-def length_record(obj: Any) -> int | TupleLengths | None:
-    """What ``collect`` joins of a result: its batch length, per element for a tuple.
+def route(source: Source, split: Split | None, fetch: Callable[[list[int]], list],
+          location: str = "argument") -> Any:
+    """The consumer's value: ``Routed(source, fetch).part(split, location)``."""
+    return Routed(source, fetch).part(split, location)
 
-    >>> length_record([1, 2]), length_record('text'), length_record(([1], (2, 3)))
-    (2, None, TupleLengths(items=(1, TupleLengths(items=(None, None)))))
+
+def join(source: Source, fetch: Callable[[list[int]], list]) -> tuple[Any, tuple | None]:
+    """(the producer's value as ``get()`` gives it, its element tree: see :func:`value_tree`).
+    Fetches only the outputs the join reads (``'last_pp'``: one per data rank)."""
+    if source.balanced:
+        outputs = fetch(list(range(source.n)))
+        value = in_input_order(outputs, [r[1] for r in source.records])
+        return value, _tree_of(value)
+    ks = collect_sources(source.mode, source.workers, device_mesh=source.mesh,
+                         gpus_per_worker=source.gpus_per_worker)
+    outputs = fetch(ks)
+    workers = [source.workers[k] for k in ks]
+    value = collect(source.mode, outputs, device_mesh=source.mesh,
+                    gpus_per_worker=source.gpus_per_worker, worker_indices=workers)
+    return value, value_tree(outputs)
+
+
+def value_tree(results: Sequence[Any]) -> tuple | None:
+    """Which parts of the joined value are a method's several return values: None when the
+    results are not joined element-wise, else one subtree per element (as ``collect``
+    recurses).
+
+    >>> value_tree([([1], (2, 3)), ([4], (5, 6))]), value_tree([[1], [2]])
+    ((None, (None, None)), None)
     """
-    if isinstance(obj, tuple):
-        return TupleLengths(tuple(length_record(e) for e in obj))
-    try:
-        return batch_len(obj)
-    except (TypeError, ValueError):  # e.g. a dict whose values differ in length
+    if not elementwise(results):
         return None
+    return tuple(value_tree([r[j] for r in results]) for j in range(len(results[0])))
 
 
-def tuple_arity(records: list) -> int | None:
-    """The common arity when every record is a tuple's (joined element-wise), else None.
+def _tree_of(value: Any) -> tuple | None:
+    """The element tree of a balanced value (joined element-wise wherever it is a tuple)."""
+    return tuple(_tree_of(v) for v in value) if isinstance(value, tuple) else None
 
-    >>> tuple_arity([TupleLengths((2, 1)), TupleLengths((3, 1))]), tuple_arity([TupleLengths((2,)), 2])
-    (2, None)
+
+def split_value(split: Split, value: Any, tree: tuple | None, location: str = "argument") -> Any:
+    """``split_arg`` of ``value``, element by element where ``tree`` says the value is a
+    method's several return values (each element cut as an argument in its place).
+
+    >>> from twinkle_ray.core.dispatch import Split
+    >>> split_value(Split('slice_dp', 2, 0), ([1, 2, 3, 4], ['a', 'b']), (None, None))
+    ([1, 2], ['a'])
     """
-    if not records or not all(isinstance(r, TupleLengths) for r in records):
-        return None
-    arity = {len(r) for r in records}
-    return arity.pop() if len(arity) == 1 else None
+    if tree is None:
+        return split_arg(split, value, location)
+    items = [split_value(split, v, t, f"{location} element [{j}]")
+             for j, (v, t) in enumerate(zip(value, tree, strict=True))]
+    return type(value)(*items) if hasattr(type(value), "_fields") else tuple(items)
 
 
-def plain_length(record: int | TupleLengths | None) -> int | None:
-    """A record's length when its result is joined whole (a tuple among non-tuples: its items).
+def likely_needed(source: Source, split: Split | None) -> list[int]:
+    """The outputs a consumer part most likely reads, known before any record is: every
+    output the join reads, or, for a windowed join cut by ``split``, the outputs its part
+    covers when every output has as many items (exact for even layouts). What the runtime
+    hands a consumer task with it, so Ray moves them as it does raw direct ref passing;
+    the part itself is always computed by :func:`route`.
 
-    >>> plain_length(TupleLengths((5, 5))), plain_length(4), plain_length(None)
-    (2, 4, None)
+    >>> likely_needed(Source('flatten', None, workers=[0, 1, 2, 3]), Split('slice_dp', 2, 1))
+    [2, 3]
     """
-    return len(record) if isinstance(record, TupleLengths) else record
+    n = source.n
+    if source.balanced:
+        return list(range(n))
+    if split is None or source.mode not in ("flatten", "none"):
+        return collect_sources(source.mode, source.workers, device_mesh=source.mesh,
+                               gpus_per_worker=source.gpus_per_worker)
+    lo = split.index * n // split.parts
+    hi = -(-(split.index + 1) * n // split.parts)
+    return list(range(lo, max(hi, lo + 1)))
+
+
+# --------------------------------------------------------------------------- the fast path
+
+
+def _skeleton_value(source: Source) -> tuple[Any, tuple | None, dict]:
+    """The joined value as a skeleton (views and leaves of the outputs), its element tree,
+    and the skeleton nodes that stand for a whole output value (id -> (node, output, path))."""
+    originals: dict[int, tuple[Any, int, tuple]] = {}  # id -> (node, output, path)
+    if source.balanced:
+        value = _balanced_skeleton(source.records)
+        return value, _tree_of(value), originals
+    skeletons = [_skeleton(r, k, (), originals) for k, r in enumerate(source.records)]
+    value = collect(source.mode, skeletons, device_mesh=source.mesh,
+                    gpus_per_worker=source.gpus_per_worker, worker_indices=source.workers)
+    return value, value_tree(skeletons), originals
+
+
+def _skeleton(record: tuple, k: int, path: tuple, originals: dict) -> Any:
+    tag = record[0]
+    if tag == "d":
+        node = {key: _skeleton(r, k, (*path, key), originals)
+                for key, r in zip(record[1], record[2], strict=True)}
+    elif tag == "t":
+        items = [_skeleton(r, k, (*path, j), originals) for j, r in enumerate(record[2])]
+        node = record[1](*items) if record[1] is not None else tuple(items)
+        if not items:  # () is one object: nothing to fetch for it
+            return node
+    elif tag == "s":
+        node = Piece(k, path, 0, record[2], record[1], record[3])
+    elif tag == "x":
+        node = Leaf(k, path)
+    else:
+        raise NotWindowable(f"output {k} holds {record!r}")
+    originals[id(node)] = (node, k, path)  # the node kept alive: its id stays its own
+    return node
+
+
+def _balanced_skeleton(records: list) -> Any:
+    """The value of a balanced call (items in input order) as views, element-wise for
+    tuple results, like :func:`~twinkle_ray.core.balance.in_input_order`."""
+    positions = [r[1] for r in records]
+    picks = locate_positions(positions, 0, total_items(positions))
+    if not picks:
+        raise NotWindowable("an empty balanced result")
+
+    def build(path: tuple, recs: list) -> Any:
+        first = recs[picks[0][0]]
+        if first[0] == "t":
+            items = [build((*path, j), [None if r is None else r[2][j] for r in recs])
+                     for j in range(len(first[2]))]
+            return first[1](*items) if first[1] is not None else tuple(items)
+        if first[0] != "s":
+            raise NotWindowable(f"a balanced result holding {first!r}")
+        return Piece.join([Piece(w, path, a, b, recs[w][1], recs[w][3]) for w, (a, b) in picks])
+
+    return build((), [None if r[2] is None else r[2] for r in records])
+
+
+def _outputs_in(node: Any, originals: dict) -> set[int]:
+    hit = originals.get(id(node))
+    if hit is not None:
+        return {hit[1]}
+    if isinstance(node, Leaf | Piece):
+        return {node.k}
+    if isinstance(node, Joined):
+        return {k for k, _, _, _ in node.segments}
+    if isinstance(node, dict):
+        node = list(node.values())
+    if isinstance(node, list | tuple):
+        return set().union(*(_outputs_in(x, originals) for x in node))
+    return set()
+
+
+def _fill(node: Any, originals: dict, got: dict[int, Any]) -> Any:
+    """The real value a skeleton part stands for, built with the real ``take`` and
+    ``concat`` from the fetched outputs ``got``."""
+    hit = originals.get(id(node))
+    if hit is not None:
+        return _at(got[hit[1]], hit[2])
+    if isinstance(node, Piece):
+        return take(_at(got[node.k], node.path), node.start, node.stop)
+    if isinstance(node, Joined):
+        return concat([take(_at(got[k], path), a, b) for k, path, a, b in node.segments])
+    if isinstance(node, dict):
+        return {key: _fill(v, originals, got) for key, v in node.items()}
+    if isinstance(node, tuple):
+        items = [_fill(x, originals, got) for x in node]
+        return type(node)(*items) if hasattr(type(node), "_fields") else tuple(items)
+    if isinstance(node, list):
+        return [_fill(x, originals, got) for x in node]
+    if isinstance(node, Leaf):
+        return _at(got[node.k], node.path)
+    raise TypeError(f"routing: unexpected part {node!r}")
+
+
+def _at(value: Any, path: tuple) -> Any:
+    for key in path:
+        value = value[key]
+    return value
