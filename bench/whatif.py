@@ -12,7 +12,7 @@ the machine the bench runs on:
   row of every run (``bench.cases._b1``), not a what-if: B1's target is
   stated against it.
 - ``direct_*`` call the twinkle_ray gang's own worker actors straight from the
-  driver (the worker's ``run``/``run_value`` as the dispatcher would call them,
+  driver (the worker's ``run`` with the task the dispatcher would send,
   the pure ``collect``), i.e. a gang whose dispatcher stays the
   owner/health/restart authority but is off the call path -- the proposal in
   BENCHMARKS.md.
@@ -30,6 +30,7 @@ import asyncio
 import ray
 
 from twinkle_ray.core.dispatch import collect
+from twinkle_ray.runtime.wire import Resolved, Task
 
 
 @ray.remote(num_cpus=0)
@@ -54,15 +55,26 @@ def gang_workers(proxy, namespace: str) -> list:
     return [ray.get_actor(f"{topo['label']}/{r['rank']}", namespace=namespace) for r in topo["ranks"]]
 
 
+def _task(method: str, args: tuple, returns: str = "value") -> Task:
+    """A worker task as the dispatcher makes it (runtime.wire), numbered 0."""
+    return Task(method, 0, returns, args, {}, [], (), None)
+
+
 def direct_noop(workers: list) -> object:
     """A no-op through the gang's workers, submitted by the driver; collected as twinkle does."""
-    outs = [w.run_value.remote("noop") for w in workers]  # collect 'none': no length records
+    task = _task("noop", ())  # collect 'none': no records
+    outs = [w.run.remote(task) for w in workers]
     return collect("none", ray.get(outs), worker_indices=list(range(len(workers))))
 
 
 def direct_chain(workers: list, start: list, length: int) -> list:
-    """B2 through the gang's workers from the driver: each link takes the previous output ref."""
-    refs = [w.run.options(num_returns=2).remote("step", xs)[0] for w, xs in zip(workers, start, strict=True)]
+    """B2 through the gang's workers from the driver: each link takes the previous output ref
+    (a top-level task argument, as the dispatcher passes a routed output it expects)."""
+    def link(w, prev):
+        task = _task("step", (Resolved(0),), "meta")
+        return w.run.options(num_returns=2).remote(task, prev)[0]
+
+    refs = [link(w, ray.put(xs)) for w, xs in zip(workers, start, strict=True)]
     for _ in range(length - 1):
-        refs = [w.run.options(num_returns=2).remote("step", r)[0] for w, r in zip(workers, refs, strict=True)]
+        refs = [link(w, r) for w, r in zip(workers, refs, strict=True)]
     return collect("flatten", ray.get(refs), worker_indices=list(range(len(workers))))

@@ -24,6 +24,14 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Generated cases (hypothesis): a fixed budget by default, so the suite's time is known; the
+# 'long' profile for a deeper run: pytest --hypothesis-profile=long
+settings.register_profile("ci", max_examples=200, deadline=None, derandomize=True,
+                          print_blob=True)
+settings.register_profile("long", max_examples=5000, deadline=None)
+settings.load_profile(os.environ.get("TWINKLE_HYPOTHESIS_PROFILE", "ci"))
 
 NAMESPACE = "twinkle-tests"
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -134,3 +135,59 @@ def test_busy_cluster_times_out_and_leaves_nothing(runtime, caplog, monkeypatch)
              if pg["state"] != "REMOVED"]
     assert not any(n.endswith("/late") for n in names)
     assert runtime.get_device_placement().count("group '") == 1  # 'late' was not added
+
+
+def test_a_second_initialize_cannot_change_the_settings(runtime):
+    """Reported: a second initialize() silently ignored lazy_collect, seed, the timeouts,
+    namespace and address. It can add groups; asking for other settings raises, naming each."""
+    runtime.initialize(groups=[DeviceGroup("s1", 1, "cpu")], seed=7)
+    runtime.initialize(groups=[DeviceGroup("s2", 1, "cpu")])  # defaults: nothing asked
+    runtime.initialize(seed=7)  # the runtime's own value: fine
+    for asked, named in ((dict(seed=8), "seed=8 (the runtime has 7)"),
+                         (dict(lazy_collect=False), "lazy_collect=False (the runtime has True)"),
+                         (dict(placement_timeout_s=5.0), "placement_timeout_s=5.0"),
+                         (dict(dist_timeout_s=9.0), "dist_timeout_s=9.0"),
+                         (dict(start_timeout_s=None), "start_timeout_s=None"),
+                         (dict(namespace="elsewhere"), "namespace='elsewhere'"),
+                         (dict(address="127.0.0.1:1"), "address='127.0.0.1:1'"),
+                         (dict(num_gpus=2), "Ray's num_gpus (Ray is running)")):
+        with pytest.raises(RuntimeError, match="already initialised; a second call can add groups "
+                                               "but not change") as info:
+            runtime.initialize(**asked)
+        assert named in str(info.value), (named, str(info.value))
+    from twinkle_ray.runtime.session import current
+
+    assert sorted(current().groups) == ["s1", "s2"]
+
+
+def test_get_after_shutdown_raises_and_starts_no_ray(runtime):
+    """Reported: get() of a result after shutdown() started a new Ray (ray.get's auto-init) and
+    left it running. It raises instead, and Ray stays down."""
+    import subprocess
+    import sys
+
+    code = (
+        "import twinkle_ray as t\n"
+        "from twinkle_ray import DeviceGroup, remote_class, remote_function\n"
+        "@remote_class()\n"
+        "class W:\n"
+        "    @remote_function(dispatch='all', collect='first')\n"
+        "    def f(self):\n"
+        "        return 1\n"
+        "t.initialize(groups=[DeviceGroup('g', 1, 'cpu')], num_cpus=1)\n"
+        "out = W(remote_group='g').f()\n"
+        "t.shutdown()\n"
+        "import ray\n"
+        "for use in (out.get, out.done, lambda: t.get([out], timeout=1)):\n"
+        "    try:\n"
+        "        use()\n"
+        "    except RuntimeError as e:\n"
+        "        assert 'shutdown() was called' in str(e), e\n"
+        "    else:\n"
+        "        raise SystemExit('no error')\n"
+        "assert not ray.is_initialized(), 'a Ray was started'\n"
+        "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                          env=env)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]

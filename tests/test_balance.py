@@ -305,3 +305,36 @@ def test_worker_killed_mid_call_raises_and_is_not_rerun(runtime, tmp_path):
     ran_after = [m for m in os.listdir(marks) if int(m.split("-")[1]) in new]
     assert ran_after == []  # the balanced call was not re-run on the rebuilt gang
     assert s.square1([1, 2, 3])() == [1, 4, 9]
+
+
+@remote_class(stuck_grace_s=0.5)  # torch.distributed up: the stuck check would apply
+class Picky:
+    def __init__(self, device_mesh=None):
+        pass
+
+    @remote_function(dispatch="balance", collect="flatten", chunk_size=1)
+    def run(self, items: list) -> list:
+        if items[0] == "bad":
+            raise ValueError("a bad item")
+        time.sleep(2.0)  # another group still runs its chunk when the bad one raises
+        return items
+
+    @remote_function(dispatch="all", collect="none")
+    def ok(self) -> int:
+        return get_rank()
+
+
+@pytest.mark.slow
+def test_a_raising_chunk_fails_the_call_and_leaves_the_gang_up(runtime):
+    """Reported: a raising chunk tore the whole gang down: the stuck check took the other
+    data-parallel group, running its own chunk, for a rank stuck in a collective. A balanced
+    call's groups share no collective: no stuck check, the error raised with its type, the
+    gang goes on."""
+    runtime.initialize(groups=[DeviceGroup("bal_picky", 2, "cpu")])
+    gang = Picky(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="bal_picky")
+    with pytest.raises(ValueError, match="a bad item"):
+        gang.run(["bad", "slow", "slow"])()
+    time.sleep(1.5)  # past the grace a stuck check would have waited
+    assert gang.ok()() == [0, 1]  # not GangStuckError: the gang was never torn down
+    assert gang.topology()["generation"] == 1
+    gang.close()

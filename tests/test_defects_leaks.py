@@ -17,7 +17,7 @@ from ray.util import state
 from conftest import NAMESPACE
 from twinkle_ray import DeviceGroup, remote_class, remote_function
 from twinkle_ray.runtime.dispatcher import TURN_CALLERS_KEPT
-from twinkle_ray.runtime.routing import RECENT_PLANS
+from twinkle_ray.runtime.routed import RECENT_REPLIES
 
 
 @remote_class()
@@ -110,7 +110,7 @@ def test_an_idle_gang_pins_no_output_its_callers_dropped(runtime):
     assert g.size(g.make(1))() == 1 << 20  # chained on its own gang: routed, not fetched
     baseline = _settles_to(0, timeout_s=5)
     mib = 24
-    for _ in range(RECENT_PLANS + 1):
+    for _ in range(RECENT_REPLIES + 1):
         out = g.make(mib)
         assert len(out()) == mib << 20
         del out
@@ -181,7 +181,7 @@ def test_dispatcher_tables_stay_bounded_however_many_callers(runtime):
     gc.collect()
     second = _stats("smp/Nop")
     assert first["turns"] <= TURN_CALLERS_KEPT and second["turns"] <= TURN_CALLERS_KEPT, second
-    assert second["turn_waiters"] == 0 and second["recent_plans"] <= RECENT_PLANS, second
+    assert second["turn_waiters"] == 0 and second["recent_replies"] <= RECENT_REPLIES, second
     assert second["producers"] <= 1 and second["bound_submitters"] <= 2, second
     assert _settles_to(store + (1 << 20)) <= store + (1 << 20)
     assert first["turns"] == second["turns"] == TURN_CALLERS_KEPT  # flat, not growing with calls

@@ -125,3 +125,38 @@ def test_a_class_the_workers_cannot_import_is_named_with_the_fix(runtime, tmp_pa
                                            r"\(ModuleNotFoundError: No module named 'driver_only_mod'\): a module "
                                            r"workers cannot import\? ship it with runtime_env working_dir/py_modules"):
         driver_only_mod.DriverOnly(remote_group="g")
+
+
+@remote_class(distributed=False)
+class Sink:
+    @remote_function(dispatch="all", collect="first")
+    def take(self, value) -> int:
+        return len(value.blob)
+
+    @remote_function(dispatch="all", collect="none")
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class Payload:
+    """A user's class holding 8 MB and a tracer; its size is not on its surface (no nbytes)."""
+
+    def __init__(self, trace_dir: str):
+        self.blob = b"x" * (8 << 20)
+        self.tag = Traced(trace_dir, "payload")
+
+
+def test_a_large_argument_of_a_users_class_never_reaches_the_dispatcher(runtime, tmp_path):
+    """Reported: an 8 MB dataclass argument was unpickled by the dispatcher (its size was
+    guessed at 64 bytes: no ``nbytes``). The caller measures each argument's pickle: 8 MB goes
+    to the object store, and only the ranks unpickle it."""
+    trace = str(tmp_path)
+    runtime.initialize(groups=[DeviceGroup("g", 2, "cpu")])
+    sink = Sink(remote_group="g")
+    assert sink.take(Payload(trace))() == 8 << 20
+    workers, dispatcher = set(sink.pid()()), _dispatcher_pid(sink.label)
+    where = _unpickled_in(trace, "payload")
+    assert workers <= where and dispatcher not in where, (where, workers, dispatcher)
+    small = Traced(trace, "small")  # a small one rides in the call's bytes: not unpickled there
+    assert sink.take(type("P", (), {"blob": b"ab", "tag": small})())() == 2
+    assert dispatcher not in _unpickled_in(trace, "small")

@@ -1,7 +1,7 @@
 """``LazyResult.done()`` never waits, also for a large gang's reply (its refs packed in a bundle).
 
 A reply with more than PACK_REFS_OVER refs carries one ObjectRef of them, owned by the
-dispatcher (``CallOutput.packed``). ``done()`` used to fetch that bundle to read the refs: a
+dispatcher (``Reply.packed``). ``done()`` used to fetch that bundle to read the refs: a
 bundle not yet local (on another node, behind a busy link) made a poll block. Here the bundle
 is a task's output that is held back until the test releases it.
 """
@@ -13,7 +13,9 @@ import threading
 
 import ray
 
-from twinkle_ray.runtime.lazy import CallOutput, GangRef, LazyResult
+from twinkle_ray.runtime.diagnose import GangRef
+from twinkle_ray.runtime.lazy import LazyResult
+from twinkle_ray.runtime.reply import Reply
 
 
 @ray.remote(num_cpus=0)
@@ -39,7 +41,7 @@ def test_done_does_not_fetch_a_bundle_that_is_not_here(ray_session):
     try:
         outputs = [ray.put([k]) for k in range(3)]
         bundle = bundle_when.remote(gate, outputs, [1, 1, 1])
-        reply = CallOutput(refs=[], metas=[], workers=[0, 1, 2], bundle=bundle)
+        reply = Reply(refs=[], records=[], workers=[0, 1, 2], bundle=bundle)
         lazy = LazyResult(ray.put(reply), collect="flatten", gang=GangRef("g", "Model", dispatcher=None),
                           method="rows")
         polled: list[bool] = []

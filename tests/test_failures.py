@@ -78,6 +78,32 @@ class Fragile:
             raise KeyError(f"boom from rank {rank}")
         return get_rank()
 
+    @remote_function(dispatch="all", collect="none")
+    def odd_error(self, rank: int) -> int:
+        if get_rank() == rank:
+            raise TwoArgError("disk", 7)
+        return get_rank()
+
+    @remote_function(dispatch="all", collect="first")
+    def a_lock(self):
+        import threading
+
+        return threading.Lock()
+
+    @remote_function(dispatch="all", collect="first", sync=True)
+    def a_lock_eagerly(self):
+        import threading
+
+        return threading.Lock()
+
+
+class TwoArgError(Exception):
+    """An exception whose __init__ takes two arguments: pickle cannot rebuild it from its args."""
+
+    def __init__(self, what: str, code: int):
+        super().__init__(f"{what} failed with code {code}")
+        self.what, self.code = what, code
+
 
 @remote_class(max_restarts=1)
 class SelfHealing(Fragile):
@@ -235,3 +261,64 @@ def test_worker_died_error_reads_well_without_a_rank():
     assert str(e).startswith("a worker of Model in group 'g' died (node ?): node lost.")
     assert str(WorkerDiedError("g", "Model", 1, "10.0.0.2", "x")).startswith(
         "worker rank 1 of Model in group 'g' died (node 10.0.0.2)")
+
+
+def test_an_exception_pickle_cannot_rebuild_keeps_its_type_and_names_the_rank(gang):
+    """Reported: an exception whose __init__ takes two arguments came back as Ray's
+    UnserializableException, naming neither rank nor method. It comes back as itself."""
+    with pytest.raises(TwoArgError, match="disk failed with code 7") as info:
+        gang.odd_error(1)()
+    assert (info.value.what, info.value.code) == ("disk", 7)
+    assert "raised in Fragile.odd_error() on rank 1 of group 'f'" in "\n".join(info.value.__notes__)
+    assert gang.info()()  # the gang goes on
+
+
+def test_a_result_that_cannot_be_pickled_is_named_short(gang):
+    """Reported: an eager call whose result cannot be pickled raised Ray's 17 KB 'put value'
+    report with ANSI codes; lazily, 32 characters naming nothing. Both now name the method,
+    the rank and the type, in a few lines."""
+    with pytest.raises(TypeError) as lazy:
+        gang.a_lock()()
+    with pytest.raises(TypeError) as eager:
+        gang.a_lock_eagerly()
+    for info in (lazy, eager):
+        text = "\n".join([str(info.value), *getattr(info.value, "__notes__", [])])
+        assert "Fragile.a_lock" in text and "rank 0 of group 'f'" in text, text
+        assert "lock" in text and "pickle" in text, text
+        assert "\x1b[" not in text and len(text) < 2500, text
+
+
+def test_twinkle_get_timeout_bounds_the_whole_list(gang):
+    """Reported: twinkle_ray.get([...], timeout=2) returned after 4.5 s: the timeout applied to
+    each item. It bounds the whole wait."""
+    import twinkle_ray
+
+    outs = [gang.sleep(1.5) for _ in range(3)]  # 4.5 s in all, one after the other
+    t0 = time.monotonic()
+    with pytest.raises(CallTimeoutError):
+        twinkle_ray.get(outs, timeout=2.0)
+    assert time.monotonic() - t0 < 3.5  # not 4.5 (or more)
+    assert twinkle_ray.get(outs) == [[0, 1]] * 3  # the values are still there
+
+
+@pytest.mark.slow
+def test_a_call_cut_short_by_close_says_so(ray_session):
+    """Reported: a call interrupted by close() was reported as a dispatcher death with advice
+    to restart(), which then refused. It says the gang was closed, and nothing died."""
+    import threading
+
+    import twinkle_ray
+    from twinkle_ray import GangClosedError
+
+    twinkle_ray.shutdown()
+    twinkle_ray.initialize(groups=[DeviceGroup("f_close", 2, "cpu")])
+    g = Fragile(remote_group="f_close")
+    try:
+        g.info()()  # the gang is up
+        pending = g.sleep(30.0)
+        threading.Timer(1.0, g.close, args=("closed by the test",)).start()
+        with pytest.raises(GangClosedError, match=r"gang f_close/Fragile was closed \(closed by the "
+                                                  r"test\) while Fragile.sleep\(\) was in flight"):
+            pending.get(timeout=60)
+    finally:
+        twinkle_ray.shutdown()

@@ -13,7 +13,7 @@ import pytest
 import ray
 from ray.exceptions import ObjectFetchTimedOutError
 
-from twinkle_ray.runtime.lazy import GangRef, fetch
+from twinkle_ray.runtime.diagnose import GangRef, fetch
 from twinkle_ray.runtime.routed import pull
 
 
@@ -101,10 +101,10 @@ def test_a_death_a_rank_raised_outranks_an_earlier_ranks_timeout_and_user_error(
 
 def _bundled_reply(n: int = 2):
     """A large gang's reply: its output refs as one bundle the dispatcher owns (``packed``)."""
-    from twinkle_ray.runtime.lazy import CallOutput
+    from twinkle_ray.runtime.reply import Reply
 
     bundle = ray.put(([ray.put(k) for k in range(n)], [None] * n))
-    return ray.put(CallOutput(refs=[], metas=[], workers=list(range(n)), bundle=bundle)), bundle
+    return ray.put(Reply(refs=[], records=[], workers=list(range(n)), bundle=bundle)), bundle
 
 
 def test_a_callers_fetch_of_the_output_refs_raises_it_not_a_death(ray_session, monkeypatch):
@@ -116,19 +116,21 @@ def test_a_callers_fetch_of_the_output_refs_raises_it_not_a_death(ray_session, m
     _failing_get(monkeypatch, {bundle: ObjectFetchTimedOutError(bundle.hex(), None, "")})
     result = LazyResult(plan, collect="none", gang=GANG, method="forward")
     with pytest.raises(ObjectFetchTimedOutError) as info:
-        result.plan()
+        result.reply()
     assert ("while fetching the refs of the outputs of Model.forward() on group 'trainer': Ray "
             "found no copy of it in time (no worker death is known)") in info.value.__notes__
 
 
 def test_a_consumers_fetch_of_the_producers_output_refs_raises_it_not_a_death(ray_session, monkeypatch):
-    from twinkle_ray.runtime.routed import Pieces
+    from twinkle_ray.runtime.routed import RouteIn, Slots
 
     plan, bundle = _bundled_reply()
     _failing_get(monkeypatch, {bundle: ObjectFetchTimedOutError(bundle.hex(), None, "")})
-    marker = Pieces(refs=None, as_list=True, producer=GANG, method="forward", refs_ref=plan, n_refs=2)
+    # a consumer rank whose part needs output 1, not among its task's arguments: it reads the
+    # producer's reply for that output's ref
+    route = RouteIn("none", [0, 1], reply_ref=plan, producer=GANG, method="forward")
     with pytest.raises(ObjectFetchTimedOutError) as info:
-        marker.materialize()
+        Slots((route,), (), None, "consume", "g").value(0)
     assert any("the refs of the outputs of Model.forward()" in n for n in info.value.__notes__)
 
 

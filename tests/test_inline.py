@@ -1,6 +1,7 @@
-"""Eager calls get their values in the dispatcher's reply (issue 28: small eager results come
-back without an extra ownership round trip), and payload still never passes through it: only
-certainly small plain data does; anything else stays in its worker's store (Held)."""
+"""Eager calls get their values in the dispatcher's reply (small eager results come back without
+an extra ownership round trip), and payload still never passes through it: a result whose
+pickle is at most INLINE_BYTES (measured, not guessed) rides as bytes the dispatcher never
+unpickles; anything else stays in its worker's store (Held)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import ray
 from ray.util import state
 
 from twinkle_ray import DeviceGroup, DeviceMesh, WorkerDiedError, remote_class, remote_function
-from twinkle_ray.runtime.inline import Held, certainly_small, hold_unless_small, unhold
+from twinkle_ray.core.functions import RemoteFunction
 from twinkle_ray.runtime.lazy import LazyResult
-from twinkle_ray.runtime.message import CallRequest
+from twinkle_ray.runtime.reply import INLINE_BYTES, Held, Inline, inline, values_of
 from twinkle_ray.runtime.sequencer import SETTLED
 
 
@@ -96,25 +97,37 @@ def _dispatcher_pid(gang) -> int:
     return rows[0]["pid"]
 
 
-def test_only_certainly_small_plain_data_comes_back_inline(ray_session):
+def test_inline_decides_by_the_pickled_size(ray_session):
+    import pickle
+
     small = {"x": np.zeros(4, dtype=np.float32), "ids": [1, 2, 3], "name": "ok", "t": (1.5, None)}
-    assert certainly_small(small) and hold_unless_small(small) is small
-    assert not certainly_small(np.arange(65536, dtype=np.float32))  # 256 KB
-    assert not certainly_small({"a": {"b": {"c": list(range(100_000))}}})  # large, however deep
-    assert not certainly_small(Boxed(np.zeros(4), "/nonexistent"))  # a user's class: not sizable
-    assert not certainly_small(np.array([object()]))  # numpy holding Python objects
+    out = inline(small)
+    assert isinstance(out, Inline) and len(out.data) <= INLINE_BYTES
+    back = pickle.loads(out.data)
+    assert back["ids"] == [1, 2, 3] and np.array_equal(back["x"], small["x"])
+    assert isinstance(inline(np.arange(65536, dtype=np.float32)), Held)  # 256 KB
+    assert isinstance(inline({"a": {"b": {"c": list(range(100_000))}}}), Held)  # large, however deep
+    assert isinstance(inline(Boxed(np.zeros(1 << 18), "/nonexistent")), Held)  # 1 MB in a user class
+    assert isinstance(inline(Boxed(np.zeros(4), "/nonexistent")), Inline)  # small: sized, not refused
+    # Counted by structure these were "certainly small" and came back inline at 80-468 KB: a str
+    # counted in characters (2 bytes each in UTF-8 here), ints as 16 bytes (these pickle to ~130)
+    assert isinstance(inline("é" * 40_000), Held)
+    assert isinstance(inline([2 ** 1000 + i for i in range(3000)]), Held)
+    assert isinstance(inline([ray.put(1)]), Held)  # a ref in it: Ray keeps count of it
     big = np.arange(65536, dtype=np.float32)
-    held = hold_unless_small(big)
-    assert isinstance(held, Held)
-    got = unhold([1, held, None], lambda refs, at: ray.get(refs))
+    held = inline(big)
+    got = values_of([Inline(pickle.dumps(1)), held, None], lambda refs, at: ray.get(refs))
     assert got[0] == 1 and got[2] is None and np.array_equal(got[1], big)
 
 
 def _inline_call(gang, method: str, *args):
-    """Submit ``method`` the way an eager call is (inline=True); the dispatcher's reply and its ref."""
-    plan, _ = gang._gang.dispatcher.call.remote(
-        CallRequest(method, [(args, {})], "all", "all", collect="none", inline=True))
-    return ray.get(plan), plan
+    """Submit ``method`` the way an eager call is (returns='inline'); the dispatcher's reply and
+    its ref."""
+    g = gang._gang
+    spec = RemoteFunction(None, dispatch="all", collect="none")
+    call = gang._encode(g, method, spec, "all", args, {}, None, "inline", False)
+    reply_ref, _ = g.dispatcher.call.remote(call)
+    return ray.get(reply_ref), reply_ref
 
 
 @pytest.mark.slow
@@ -132,14 +145,17 @@ def test_eager_results_come_back_inline_and_payload_stays_off_the_dispatcher(run
     assert gang._prev.told() == SETTLED
     dispatcher = _dispatcher_pid(gang)
 
-    # Small plain data rides in the dispatcher's reply: no refs, no Held.
+    # Small data rides in the dispatcher's reply, pickled: no refs, no Held.
     out, _ = _inline_call(gang, "plain", 3)
-    assert out.refs == [] and len(out.values) == 4
-    assert all(v["ids"] == [0, 1, 2] and v["loss"] == 0.5 for v in out.values)
+    assert out.refs == [] and len(out.values) == 4 and all(isinstance(v, Inline) for v in out.values)
+    values = values_of(out.values, None)
+    assert all(v["ids"] == [0, 1, 2] and v["loss"] == 0.5 for v in values)
 
-    # A large array, and a user's class whose size the structure does not tell (4 MB inside):
-    # both stay in their worker's store until the caller fetches them from there.
-    for what, method, n in (("array", "traced", 65536), ("user class", "boxed", 1 << 20)):
+    # A large array, and a user's class (4 MB inside): both stay in their worker's store until
+    # the caller fetches them from there; a small traced result comes back as bytes the
+    # dispatcher never unpickles.
+    for what, method, n in (("array", "traced", 65536), ("user class", "boxed", 1 << 20),
+                            ("small result", "traced", 4)):
         trace = tmp_path / what.replace(" ", "_")
         trace.mkdir()
         got = getattr(gang, method)(str(trace), n)
@@ -154,7 +170,7 @@ def test_eager_results_come_back_inline_and_payload_stays_off_the_dispatcher(run
 def test_a_held_result_whose_worker_died_is_a_worker_death(runtime, tmp_path):
     runtime.initialize(groups=[DeviceGroup("inline", 2, "cpu")])
     gang = Echo(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="inline")
-    out, plan = _inline_call(gang, "boxed", str(tmp_path), 1 << 18)
+    out, reply_ref = _inline_call(gang, "boxed", str(tmp_path), 1 << 18)
     assert [type(v) for v in out.values] == [Held, Held]
     os.kill(gang.pid()()[0], signal.SIGKILL)  # rank 0 dies before the caller fetched its result
     deadline = time.monotonic() + 30
@@ -166,7 +182,7 @@ def test_a_held_result_whose_worker_died_is_a_worker_death(runtime, tmp_path):
         time.sleep(0.2)
     time.sleep(2)  # and the caller has heard that the Held object's owner is gone
     with pytest.raises(WorkerDiedError) as info:
-        LazyResult(plan, collect="none", gang=gang._gang, method="boxed").get()
+        LazyResult(reply_ref, collect="none", gang=gang._gang, method="boxed").get()
     assert "Echo" in str(info.value) and "'inline'" in str(info.value), str(info.value)
     gang.close()
 

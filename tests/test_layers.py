@@ -184,3 +184,50 @@ def test_importing_core_pulls_in_neither_torch_nor_ray():
     code = (f"import sys, {', '.join(core)}; "
             "bad = [m for m in ('torch', 'ray') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(PACKAGE.parent))
+
+
+# Private by convention only, and meant for callers: NamedTuple's methods; torch's
+# DeviceMesh._flatten (torch 2.x's one way to name a flattened mesh dim, used by DeviceMesh.to_torch).
+PUBLIC_UNDERSCORED = {"_replace", "_fields", "_asdict", "_make", "_flatten"}
+
+
+def _private_reads(path: Path) -> list[str]:
+    """``x._name`` on anything but ``self``/``cls`` where this module defines no ``_name``, and
+    ``from .m import _name``: one module reaching into another's private attributes."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    own: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(
+                node.value, ast.Name) and node.value.id in ("self", "cls"):
+            own.add(node.attr)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            own.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            own.add(node.value)  # __slots__ entries, names handed to getattr
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            value = node.value
+            if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+                continue
+            if node.attr not in own and node.attr not in PUBLIC_UNDERSCORED:
+                bad.append(f"{path.name}:{node.lineno} .{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("twinkle_ray")):
+            bad += [f"{path.name}:{node.lineno} import {a.name}" for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")]
+    return bad
+
+
+def test_no_module_reads_another_modules_private_attributes():
+    bad = [b for path in _modules().values() for b in _private_reads(path)]
+    assert bad == [], bad
+
+
+def test_the_private_attribute_check_sees_a_reach_in(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("from .lazy import _hidden\n\ndef f(result):\n    return result._out\n\n"
+                   "class A:\n    def __init__(self):\n        self._x = 1\n\n"
+                   "    def same(self, other):\n        return other._x\n")
+    assert _private_reads(src) == ["m.py:1 import _hidden", "m.py:4 ._out"]

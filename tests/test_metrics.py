@@ -23,9 +23,7 @@ from twinkle_ray.runtime.metrics import args_nbytes, metrics_enabled, payload_nb
 WAIT_S = 60.0
 # The worker task methods a call runs as (runtime.worker): lazy, lazy without lengths, eager,
 # each with a head (something routed) or named (nothing routed: see runtime.message).
-TASK_METHODS = {f"GangWorker.{m}{form}" for m in ("run", "run_named")
-                for form in ("", "_value", "_inline")}
-NAMED_METHODS = {m for m in TASK_METHODS if m.startswith("GangWorker.run_named")}
+TASK_METHODS = {"GangWorker.run"}  # the worker's one entry point for calls
 LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)\{(?P<labels>.*)\} (?P<value>\S+)$')
 
 
@@ -101,8 +99,7 @@ def test_gang_metrics_reach_the_prometheus_endpoint_and_tasks_are_named(runtime,
     assert _scrape(url, "ray_twinkle_calls_total", gang=off_label) == 0
 
     # Worker tasks are named 'group/Class.method' (Ray's task list, the dashboard, `ray timeline`);
-    # with metrics off 'Class.method' (one name per class, not per gang): a call with nothing
-    # routed names its method only there. Those calls went as named tasks (no head).
+    # with metrics off 'Class.method' (one name per class, not per gang).
     address = ray.get_runtime_context().gcs_address
     off_worker = list_actors(address=address, filters=[("name", "=", f"{off_label}/0")])[0]["actor_id"]
     deadline = time.monotonic() + WAIT_S
@@ -115,9 +112,9 @@ def test_gang_metrics_reach_the_prometheus_endpoint_and_tasks_are_named(runtime,
             break
         time.sleep(0.5)
     assert len(named) == 2 * calls
-    assert {t["func_or_class_name"] for t in named} <= NAMED_METHODS
+    assert {t["func_or_class_name"] for t in named} == TASK_METHODS
     assert len(off_tasks) == calls and {t["name"] for t in off_tasks} == {"Metered.step"}
-    assert {t["func_or_class_name"] for t in off_tasks} <= NAMED_METHODS
+    assert {t["func_or_class_name"] for t in off_tasks} == TASK_METHODS
     gang.close()
     off.close()
 

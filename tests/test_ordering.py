@@ -19,6 +19,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from twinkle_ray import DeviceGroup, remote_class, remote_function
 
@@ -47,6 +49,10 @@ class Reducer:
         dist.all_reduce(t)
         seq, self.seq = self.seq, self.seq + 1
         return {"rank": dist.get_rank(), "seq": seq, "sum": int(t.item())}
+
+
+# Its failed calls are checked for stuck peers after 0.5 s, not 3: every 5th call fails below.
+QuickReducer = remote_class(stuck_grace_s=0.5)(type("QuickReducer", (Reducer,), {}))
 
 
 @remote_class(distributed=False)
@@ -168,15 +174,15 @@ def driver_only_class(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_threads_sharing_a_proxy_keep_their_order_around_calls_that_never_arrive(
+def test_threads_sharing_a_proxy_keep_their_order_around_calls_that_fail_to_unpickle(
         runtime, driver_only_class):
-    # Every 5th call of each thread has an argument the dispatcher cannot import: Ray fails it
-    # before it reaches the dispatcher, so it never takes its turn. The calls after it must
-    # neither stall nor overtake the calls the same thread made before it (on the shared proxy
-    # those may still wait for other threads' calls). Before the fix, a thread's call right
-    # after its bad one could run ahead of its own earlier calls.
+    # Every 5th call of each thread has an argument the gang's workers cannot import. The
+    # dispatcher never unpickles arguments, so the call takes its turn like any other and fails
+    # in the ranks, naming the argument. The calls after it must neither stall nor overtake
+    # the calls the same thread made before it (on the shared proxy those may still wait for
+    # other threads' calls).
     runtime.initialize(groups=[DeviceGroup("ord_lost", 2, "cpu")])
-    gang = Reducer(remote_group="ord_lost")
+    gang = QuickReducer(remote_group="ord_lost")
     assert gang.reduce(0).get()[0]["sum"] == 0
     threads_n, calls, rounds = 4, 25, 3
     errors: list[BaseException] = []
@@ -188,12 +194,12 @@ def test_threads_sharing_a_proxy_keep_their_order_around_calls_that_never_arrive
                 kept = []
                 for n in range(calls):
                     c = code(cid, rnd * 100 + n)
-                    if n % 5 == 2:  # lost: fetched at once, as an eager call would be
+                    if n % 5 == 2:  # fails in the ranks: fetched at once, as an eager call would be
                         with pytest.raises(TypeError, match=(
-                                r"Reducer.reduce\(\) on group 'ord_lost': argument 0 of type "
-                                r"Thing cannot be unpickled in the gang's dispatcher \(.*"
-                                r"driver_only_things.*\): driver_only_things.Thing is importable "
-                                r"here but not in the gang's Ray workers")):
+                                r"QuickReducer.reduce\(\) on rank \d of group 'ord_lost': argument 0 "
+                                r"cannot be unpickled in this Ray worker \(.*driver_only_things.*"
+                                r"\): driver_only_things is importable in the caller but not in "
+                                r"the gang's Ray workers")):
                             gang.reduce(driver_only_class(c)).get(timeout=30)
                     elif n % 5 == 3:  # fetched at once (its next call says SETTLED)
                         kept.append((c, gang.reduce(c).get(timeout=30)))
@@ -221,3 +227,148 @@ def test_threads_sharing_a_proxy_keep_their_order_around_calls_that_never_arrive
                 seqs.append(per_rank[0]["seq"])
             assert seqs == sorted(seqs), f"round {rnd}: thread {cid}'s calls ran out of order: {seqs}"
     gang.close()
+
+
+# --------------------------------------------------------------------------- generated schedules
+
+
+@remote_class(distributed=False)
+class Book:
+    """2 ranks that note each call (caller, number) in the order they run them."""
+
+    def __init__(self):
+        self.log: list = []
+
+    @remote_function(dispatch="slice_dp", collect="none")
+    def note(self, caller: list, n: list, payload=None) -> int:
+        self.log.append((caller[0], n[0]))  # (one of each per rank: the call is cut by rank)
+        return len(self.log)
+
+    @remote_function(dispatch="all", collect="none")
+    def logs(self) -> list:
+        return list(self.log)
+
+
+@remote_class(distributed=False)
+class Source:
+    """A producer whose calls take a while: what a routed argument waits for."""
+
+    @remote_function(dispatch="all", collect="flatten")
+    def rows(self, n: int, seconds: float) -> list:
+        time.sleep(seconds)
+        return list(range(n))
+
+
+@pytest.fixture(scope="module")
+def books(ray_session, tmp_path_factory):
+    import twinkle_ray
+
+    twinkle_ray.shutdown()
+    twinkle_ray.initialize(groups=[DeviceGroup("order_book", 2, "cpu"),
+                                   DeviceGroup("order_src", 2, "cpu")])
+    yield Book(remote_group="order_book"), Source(remote_group="order_src")
+    twinkle_ray.shutdown()
+
+
+KINDS = ("plain", "slow-routed", "routed-in-dict", "unpicklable", "eager")
+
+
+@pytest.mark.slow
+@given(schedule=st.lists(st.lists(st.sampled_from(KINDS), min_size=2, max_size=6), min_size=1,
+                         max_size=3))
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+def test_generated_schedules_keep_each_callers_order_on_every_rank(books, driver_only_class,
+                                                                    schedule):
+    """Several driver threads share one proxy; each makes its calls as the schedule says: plain,
+    routed from a producer that takes a while (at the top, inside a dict), with an argument the
+    ranks cannot unpickle (fails there, naming it), or eager. The oracle: on every rank, each
+    caller's calls that ran appear in the order it made them, and every call that did not
+    fail ran on both ranks exactly once."""
+    book, source = books
+    base = len(book.logs()()[0])
+    errors: list[BaseException] = []
+    expected: dict[int, list[int]] = {}
+
+    def drive(cid: int, kinds: list[str]) -> None:
+        try:
+            pending, ran = [], []
+            for n, kind in enumerate(kinds):
+                if kind == "unpicklable":
+                    with pytest.raises(TypeError, match="argument 2 cannot be unpickled"):
+                        book.note([cid] * 2, [n] * 2, [driver_only_class(n)] * 2).get(timeout=60)
+                    continue
+                payload = None
+                if kind == "slow-routed":
+                    payload = source.rows(2, 0.3)
+                elif kind == "routed-in-dict":
+                    payload = {"rows": source.rows(4, 0.2), "k": [1, 2]}
+                out = book.note([cid] * 2, [n] * 2, payload)
+                if kind == "eager":
+                    out.get(timeout=60)
+                pending.append(out)
+                ran.append(n)
+            for p in pending:
+                p.get(timeout=120)
+            expected[cid] = ran
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=drive, args=(cid, kinds))
+               for cid, kinds in enumerate(schedule)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a caller did not finish"
+    if errors:
+        raise errors[0]
+    for rank_log in book.logs()():
+        new = rank_log[base:]
+        for cid, ran in expected.items():
+            assert [n for c, n in new if c == cid] == ran, (cid, ran, new)
+        assert len(new) == sum(map(len, expected.values()))
+
+
+@remote_class(distributed=False, max_restarts=1)
+class SlowToRebuild:
+    """A producer whose rebuilt workers take a while to construct (a vLLM reload, say)."""
+
+    def __init__(self, marker: str):
+        import os
+
+        if os.path.exists(marker):  # a rebuild: the first build left the marker
+            time.sleep(4.0)
+        with open(marker, "a"):
+            pass
+
+    @remote_function(dispatch="all", collect="flatten")
+    def rows(self) -> list:
+        return [1, 2]
+
+    @remote_function(dispatch="all", collect="none")
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_call_behind_one_routed_from_a_producer_being_rebuilt_waits(runtime, tmp_path):
+    """Reported: a call waiting more than 60 s for a routed producer being rebuilt was
+    overtaken by its caller's next call. The call holds its turn while the producer's reply
+    waits for the rebuild; the caller's next call runs after it, however long that takes."""
+    import os
+    import signal
+
+    runtime.initialize(groups=[DeviceGroup("order_rb_src", 1, "cpu"),
+                               DeviceGroup("order_rb_book", 2, "cpu")])
+    source = SlowToRebuild(str(tmp_path / "built"), remote_group="order_rb_src")
+    book = Book(remote_group="order_rb_book")
+    os.kill(source.pid()(), signal.SIGKILL)  # the rebuild starts: 4 s of construction
+    time.sleep(0.5)
+    first = book.note([1, 1], [0, 0], source.rows())  # waits for the rebuilt producer's reply
+    second = book.note([1, 1], [1, 1])  # must not run before it
+    assert second.get(timeout=120) and first.get(timeout=120)
+    for rank_log in book.logs()():
+        assert rank_log == [(1, 0), (1, 1)], rank_log

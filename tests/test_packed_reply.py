@@ -1,7 +1,7 @@
 """A large gang's lazy call replies with one ref, not one per rank (DESIGN 7: flat in the size).
 
 Past ``PACK_REFS_OVER`` refs (outputs plus length records), the dispatcher packs a lazy call's
-refs into one object it owns (``CallOutput.packed``); every reader unpacks it: the caller's
+refs into one object it owns (``Reply.packed``); every reader unpacks it: the caller's
 ``get()``, another gang's router (a producer's plan it does not have at hand) and a consumer
 worker fetching an aligned producer's plan for uneven lengths. Each must see exactly the values
 a small gang's plain reply gives.
@@ -19,7 +19,7 @@ import ray
 from conftest import NAMESPACE
 from twinkle_ray import DeviceGroup, DeviceMesh, get_rank, remote_class, remote_function
 from twinkle_ray.runtime.errors import WorkerDiedError
-from twinkle_ray.runtime.lazy import PACK_REFS_OVER
+from twinkle_ray.runtime.reply import PACK_REFS_OVER
 
 N = 9  # 9 outputs + 9 length records: over PACK_REFS_OVER
 
@@ -71,9 +71,9 @@ def _expected(uneven: bool) -> list[int]:
 def test_large_reply_is_one_ref_and_get_sees_every_rank(gangs):
     big, _, _ = gangs
     out = big.rows()
-    reply = ray.get(out._plan_ref)
+    reply = ray.get(out.reply_ref)
     assert 2 * N > PACK_REFS_OVER
-    assert reply.refs == [] and reply.metas == [] and reply.bundle is not None
+    assert reply.refs == [] and reply.records == [] and reply.bundle is not None
     assert out.get() == _expected(False)
     assert len(out.refs) == N and out.ranks == list(range(N))
 
@@ -98,7 +98,7 @@ def test_packed_aligned_producer_with_uneven_lengths_routes_into_its_own_gang(ga
 def test_balanced_positions_records_travel_packed(gangs):
     big, small, _ = gangs
     out = big.square(list(range(23)))
-    assert ray.get(out._plan_ref).bundle is not None
+    assert ray.get(out.reply_ref).bundle is not None
     assert out.get() == [x * x for x in range(23)]  # in input order, from the packed records
     got = small.seen(big.square(list(range(23)))).get()
     assert got[0] + got[1] == [x * x for x in range(23)]
@@ -109,7 +109,7 @@ def test_a_collected_result_passed_on_does_not_carry_its_refs(gangs):
     out = big.rows()
     assert out.get() == _expected(False)  # the caller unpacked its refs...
     copy = pickle.loads(pickle.dumps(out))
-    assert copy._out is None  # ...and a copy sent on reads the reply, one ref, instead
+    assert copy.route_facts().reply is None  # ...and a copy sent on reads the reply ref instead
     assert small.seen(out).get() == [_expected(False)[:5], _expected(False)[5:]]
 
 
@@ -130,7 +130,7 @@ def test_a_call_that_lost_inputs_of_a_dead_producer_dispatcher_names_that_produc
     values, so the call's own error, 6 items for 9 data-parallel ranks, until the death."""
     big, _, lone = gangs
     out = lone.tile(3)
-    ray.get(out._plan_ref)
+    ray.get(out.reply_ref)
     _kill_dispatcher(lone)
     deadline, died = time.monotonic() + 30, None
     while died is None and time.monotonic() < deadline:
@@ -158,7 +158,7 @@ def test_a_dead_producer_dispatcher_is_named_by_get_and_by_a_consumer(gangs):
     gang's rank, never Ray's raw OwnerDiedError."""
     big, small, _ = gangs
     first, second = big.rows(), big.rows()
-    ray.get([first._plan_ref, second._plan_ref])  # the replies are here; the bundles stay there
+    ray.get([first.reply_ref, second.reply_ref])  # the replies are here; the bundles stay there
     _kill_dispatcher(big)
 
     def outcome(read):

@@ -198,7 +198,8 @@ def test_restart_budget_is_bounded_logged_and_counted(runtime):
 
 # ---------------------------------------------------------------------------- turns
 class Unloadable:
-    """Pickles fine here; unpickling it (in the dispatcher) raises."""
+    """Pickles fine here; unpickling it (in a rank: the dispatcher never unpickles arguments)
+    raises."""
 
     def __getstate__(self):
         return {"x": 1}
@@ -208,17 +209,16 @@ class Unloadable:
 
 
 @pytest.mark.slow
-def test_an_argument_the_dispatcher_cannot_unpickle_is_named_and_never_stalls_the_next(runtime):
+def test_an_argument_the_ranks_cannot_unpickle_is_named_and_never_stalls_the_next(runtime):
     runtime.initialize(groups=[DeviceGroup("up", 2, "cpu")])
     g = Plain(remote_group="up")
     assert len(g.pid()()) == 2
-    bad = g.echo(x=Unloadable())  # pickled here; unpickling it in the dispatcher raises
+    bad = g.echo(x=Unloadable())  # pickled here; unpickling it in the ranks raises
     nxt = g.pid()  # made before anyone looked at the bad call
-    # Bounded: a stalled turn would wait 60 s (TURN_WAIT_S) and raise CallTimeoutError here.
     assert len(nxt.get(timeout=30)) == 2
-    with pytest.raises(TypeError, match=r"Plain.echo\(\) on group 'up': argument 'x' of type "
-                                        r"Unloadable cannot be unpickled \(ValueError: Unloadable "
-                                        r"cannot be restored\); the call did not run"):
+    with pytest.raises(TypeError, match=r"Plain.echo\(\) on rank \d of group 'up': argument 'x' "
+                                        r"cannot be unpickled in this Ray worker \(ValueError: "
+                                        r"Unloadable cannot be restored\): the call did not run"):
         bad.get()
     assert len(g.pid().get(timeout=30)) == 2  # and the calls after it
 
@@ -322,9 +322,9 @@ def test_a_call_made_while_another_thread_replaces_the_dispatcher_goes_to_the_ne
             self.calls = []
 
         @ray.method(num_returns=2)
-        def call(self, request):
-            [((value,), _)] = request.per_worker
-            self.calls.append((request.method, tuple(request.turn[:2]), value.gang is not None))
+        def call(self, call):
+            [route] = call.routes  # the argument: a LazyResult, routed
+            self.calls.append((call.method, tuple(call.turn[:2]), route.gang is not None))
             return None, True
 
         def seen(self) -> list:
@@ -335,14 +335,15 @@ def test_a_call_made_while_another_thread_replaces_the_dispatcher_goes_to_the_ne
     old = (g._gang.dispatcher, g._desc)
     new = NewDispatcher.remote()
     before = g.get_value()  # an output of the old dispatcher
-    put_large = proxy_module.put_large
+    encode = proxy_module.GangProxy._encode
 
-    def put_then_replace(per_worker):  # the other thread's respawn lands during this call's
-        if g._gang.dispatcher is old[0]:  # preparation, before it takes its turn
+    def encode_then_replace(self, *args, **kwargs):  # the other thread's respawn lands during
+        call = encode(self, *args, **kwargs)  # this call's preparation, before it takes its turn
+        if g._gang.dispatcher is old[0]:
             g._use_dispatcher(new, old[1])
-        return put_large(per_worker)
+        return call
 
-    monkeypatch.setattr(proxy_module, "put_large", put_then_replace)
+    monkeypatch.setattr(proxy_module.GangProxy, "_encode", encode_then_replace)
     try:
         result = g.set_value(before)
         assert ray.get(new.seen.remote(), timeout=30) == [("set_value", (g._caller_id, 0), True)]
@@ -367,7 +368,7 @@ def test_an_output_whose_owner_died_is_named_lost_with_its_dispatcher():
     again)."""
     from ray.exceptions import OwnerDiedError
 
-    from twinkle_ray.runtime.lazy import GangRef
+    from twinkle_ray.runtime.diagnose import GangRef
 
     routed = GangRef("dl", "Keeper", dispatcher=None)
     err = routed.death_error(OwnerDiedError("ab" * 14, None, ""), 0, method="get_value")
@@ -392,7 +393,7 @@ def test_a_lost_output_is_named_so_when_the_dispatcher_asked_knows_no_death(runt
     that owned them; it said 'worker rank 1 ... died (node ?) ... call .restart()' before."""
     from ray.exceptions import OwnerDiedError
 
-    from twinkle_ray.runtime.lazy import GangRef
+    from twinkle_ray.runtime.diagnose import GangRef
 
     live = _NoDeaths.remote()
     try:
@@ -419,7 +420,7 @@ def test_an_output_made_before_a_dispatcher_respawn_is_named_lost_with_that_disp
     g = Keeper(remote_group="dl")
     g.set_value(3)()
     old = g.get_value()  # owned by the first dispatcher, never fetched here
-    ray.get(old._plan_ref)  # its reply is here: only its outputs live in the dispatcher
+    ray.get(old.reply_ref)  # its reply is here: only its outputs live in the dispatcher
     assert _kill_dispatcher_mid_call(g).kind == "dispatcher"
     assert g.get_value()() == [0, 0]  # respawned (no state saved to files): from its constructor
     deadline, err = time.monotonic() + 30, None

@@ -1,13 +1,15 @@
-"""The routing invariant, tested from the outside (issue 27 item 13, DESIGN 6).
+"""The routing invariant, tested from the outside on a seeded table of cases (docs/routing.md).
 
 A LazyResult passed to another gang's method is routed, not fetched. Whatever the result's
 shape, the collect mode and the producer / consumer layouts, each consumer worker must receive
-exactly what *fetching* the result (``result()``) and slicing that value by the consumer's
-window would give: its data rank's part under ``dispatch='slice_dp'``, its worker index's part
-under ``'slice'``, the whole value under ``'all'``. A tuple value (a method with several return
-values, collected element-wise) is sliced element by element, each element by its own length.
-Where slicing is impossible (fewer items than consumer parts), the routed call raises the same
-kind of error that dispatching the fetched value raises.
+exactly what *fetching* the result (``result()``) and passing that value would give
+(``dispatch`` of the consumer's mode: its data rank's part under ``'slice_dp'``, a list cut by
+worker index under ``'slice'``, the whole value under ``'all'``). A tuple value (a method with
+several return values, collected element-wise) is passed element by element, each element as
+an argument in its place. Where cutting is impossible (fewer items than consumer parts, lists
+of different lengths under ``'slice'``), the routed call raises the same kind of error that
+dispatching the fetched value raises. (Generated cases: test_routing_rule.py, pure, and
+test_routing_gangs.py, through real gangs.)
 
 The cases come from a seeded table: every (shape, collect mode) pair at least once, with
 producer and consumer layouts (dp, dp x tp, dp x pp, gpus_per_worker=2, execute='first') and
@@ -203,39 +205,36 @@ def _is_tensor(v) -> bool:
     return torch is not None and isinstance(v, torch.Tensor)
 
 
-def ref_len(v):
-    """Batch length of a fetched value (None: not sliceable), independent of the package."""
-    if isinstance(v, (list, tuple)):
-        return len(v)
-    if isinstance(v, np.ndarray) or _is_tensor(v):
-        return int(v.shape[0]) if v.ndim >= 1 else None
-    if isinstance(v, dict):
-        lens = {ref_len(x) for x in v.values() if ref_len(x) is not None}
-        return lens.pop() if len(lens) == 1 else None
-    return None
+def tree_of(value, elementwise: bool):
+    """Which parts of a fetched value are several return values (a tuple shape)."""
+    if not (elementwise and isinstance(value, tuple)):
+        return None
+    return tuple(tree_of(v, True) for v in value)
 
 
-def ref_take(v, a, b):
-    if isinstance(v, dict):
-        return {k: ref_take(x, a, b) if ref_len(x) is not None else x for k, x in v.items()}
-    return v[a:b]
+def _leaves(value, tree) -> list:
+    return [value] if tree is None else [x for v, t in zip(value, tree, strict=True)
+                                         for x in _leaves(v, t)]
 
 
-def ref_window(v, parts: int, index: int, elementwise: bool):
-    """The consumer's part of the fetched value ``v``; ValueError when it has too few items."""
-    if elementwise and isinstance(v, tuple):
-        items = [ref_window(e, parts, index, elementwise) for e in v]
-        return type(v)(*items) if hasattr(v, "_fields") else tuple(items)
-    if isinstance(v, dict) and len({ref_len(x) for x in v.values()} - {None}) > 1:
-        return {k: ref_window(x, parts, index, False) for k, x in v.items()}  # key by key
-    n = ref_len(v)
-    if n is None:
-        return v
-    if n < parts:
-        raise ValueError(f"{n} items for {parts} parts")
-    per, extra = divmod(n, parts)
-    start = index * per + min(index, extra)
-    return ref_take(v, start, start + per + (1 if index < extra else 0))
+def _rebuild(value, tree, parts: list):
+    if tree is None:
+        return parts.pop(0)
+    items = [_rebuild(v, t, parts) for v, t in zip(value, tree, strict=True)]
+    return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+
+
+def passed(value, consumer: str, n: int, mesh: DeviceMesh, gpw: int, elementwise: bool) -> list:
+    """What each consumer worker that runs the call receives when ``value`` is passed to it."""
+    from twinkle_ray.core.dispatch import dispatch
+
+    if consumer in ("c_all", "c_first_worker"):  # execute='first': the value whole, as plain ones
+        return [value] * (1 if consumer == "c_first_worker" else n)
+    mode = "slice" if consumer == "c_slice" else "slice_dp"
+    tree = tree_of(value, elementwise)
+    leaves = _leaves(value, tree)
+    per = dispatch(mode, n, tuple(leaves), {}, device_mesh=mesh, gpus_per_worker=gpw)
+    return [_rebuild(value, tree, list(args)) for args, _ in per]
 
 
 def same(a, b) -> bool:
@@ -250,18 +249,6 @@ def same(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
-
-
-def consumer_windows(consumer: str, n: int, mesh: DeviceMesh, gpw: int) -> list[tuple[int, int] | None]:
-    """(parts, index) per consumer worker that runs the call; None: the whole value."""
-    if consumer == "c_all":
-        return [None] * n
-    if consumer == "c_slice":
-        return [(n, i) for i in range(n)]
-    dp = [mesh.get_data_rank_from_global_rank(i * gpw) for i in range(n)]  # DESIGN 6
-    windows = [(mesh.data_world_size, d) for d in dp]
-    # execute='first': the one worker gets the value whole, as it gets plain arguments
-    return [None] if consumer == "c_first_worker" else windows
 
 
 # --------------------------------------------------------------------------- the table
@@ -313,10 +300,8 @@ def test_routed_equals_fetched_then_sliced(gangs):
             continue
         expected, expected_error = [], None
         if fetch_error is None:
-            elementwise = shape in TUPLE_SHAPES
             try:
-                for w in consumer_windows(consumer, n, mesh, gpw):
-                    expected.append(value if w is None else ref_window(value, *w, elementwise))
+                expected = passed(value, consumer, n, mesh, gpw, shape in TUPLE_SHAPES)
             except ValueError as e:
                 expected_error = e
         else:
@@ -363,10 +348,10 @@ def test_dict_with_keys_of_different_lengths_routes_key_by_key(gangs):
     pairs, mesh, gpw = gangs["gpw2"]  # 2 workers, dp=2
     fetched = dp.p_uneven_dict()()
     assert fetched == {"tok": [10 * r + j for r in range(4) for j in range(4)],
-                       "prompt": ["p0", "p1", "p2", "p3"], "temp": 0.7}
+                       "prompt": ["p0", "p1", "p2", "p3"], "temp": [0.7] * 4}
     got = pairs.c_slice_dp(dp.p_uneven_dict())()
-    assert got == [[{"tok": fetched["tok"][:8], "prompt": ["p0", "p1"], "temp": 0.7}],
-                   [{"tok": fetched["tok"][8:], "prompt": ["p2", "p3"], "temp": 0.7}]]
+    assert got == [[{"tok": fetched["tok"][:8], "prompt": ["p0", "p1"], "temp": [0.7] * 2}],
+                   [{"tok": fetched["tok"][8:], "prompt": ["p2", "p3"], "temp": [0.7] * 2}]]
     plain = pairs.c_slice_dp(fetched)()  # the same value passed plainly: split the same way
     assert got == plain
     assert pairs.c_first_worker(dp.p_uneven_dict())() == [fetched] == pairs.c_first_worker(fetched)()

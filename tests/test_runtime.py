@@ -352,6 +352,14 @@ def test_callable_dispatch(gangs):
     assert a.strided(list(range(8)))() == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
+def test_callable_dispatch_of_a_routed_value_sees_the_value(gangs):
+    """A dispatch function gets what fetching and passing the LazyResult would give it: each
+    rank applies it to the value (in the caller it would see the LazyResult)."""
+    a, _ = gangs
+    out = a.double(list(range(8)))
+    assert a.strided(out)() == a.strided(out())() == [[0, 8], [2, 10], [4, 12], [6, 14]]
+
+
 def test_execute_peer_from_another_gang(gangs):
     a, b = gangs
     # worker r of gang a calls gang b with execute='peer': b's rank r answers

@@ -1,5 +1,6 @@
 """The caller's turn (``runtime.sequencer``), without Ray: each caller's calls in the order it
-made them, the bounded table, and a call whose caller already had its predecessor's reply.
+made them, always (no wait ever ends in going ahead), the bounded table, a call whose caller
+already had its predecessor's reply, and a predecessor that never arrives.
 
 Waits here are bounded by ``asyncio.wait_for`` only to turn a hang into a failure; no figure
 is timed.
@@ -12,17 +13,10 @@ import asyncio
 import pytest
 
 from twinkle_ray.runtime import sequencer
+from twinkle_ray.runtime.errors import TurnError
 from twinkle_ray.runtime.sequencer import SETTLED, TURN_CALLERS_KEPT, Sequencer
 
 HANG_S = 10.0  # a turn that should go at once and has not by then is waiting for good
-
-
-@pytest.fixture(autouse=True)
-def _long_turn_wait(monkeypatch):
-    # A call that wrongly waits for a predecessor would go ahead after TURN_WAIT_S; make that
-    # an hour, so such a wait shows as a hang (HANG_S), not as a pass.
-    monkeypatch.setattr(sequencer, "TURN_WAIT_S", 3600.0)
-    monkeypatch.setattr(sequencer, "GAP_GRACE_S", 3600.0)  # likewise for a gap taken as lost
 
 
 async def _take(turns: Sequencer, caller: str, n: int, prev=None, log: list | None = None,
@@ -125,44 +119,52 @@ def test_a_call_after_one_that_never_arrived_still_waits_for_the_calls_before_th
     assert stats == {"turns": 1, "turn_waiters": 0, "lost_turns": 0}
 
 
-def test_two_lost_calls_in_a_row_stall_nothing_once_the_caller_tells_of_the_first():
-    # Calls 1 and 2 never arrived; call 3 knows of call 2 only (its predecessor's ref). The
-    # caller, fetching call 1's error, tells the dispatcher (skip): call 3 goes at once.
+def test_a_call_waiting_on_one_that_never_arrives_fails_and_never_overtakes(monkeypatch, caplog):
+    # Calls 1 and 2 never arrived; call 3 knows of call 2 only (its predecessor's settled ref):
+    # call 2 is passed over (it ran nowhere), and call 3 waits for call 1. Past TURN_MISSING_S
+    # it fails, naming call 1 and the wait, and does not run: it never goes ahead of call 1.
+    monkeypatch.setattr(sequencer, "TURN_MISSING_S", 0.3)
+
     async def main():
         turns, log = Sequencer("g/C"), []
         await _take(turns, "a", 0)
-        fourth = asyncio.ensure_future(_take(turns, "a", 3, [_lost()], log))
-        await asyncio.sleep(0.05)
-        assert not fourth.done()  # call 1 may still be on its way
-        turns.skip("a", 1)
-        await asyncio.wait_for(fourth, HANG_S)
-        turns.skip("a", 1)  # told twice, or late: nothing changes
+        with pytest.raises(TurnError, match=r"call 3 of caller a waited 0s for the caller's call 1, "
+                                            r"which never reached the dispatcher"):
+            await asyncio.wait_for(_take(turns, "a", 3, [_lost()], log), HANG_S)
+        assert log == []
+        # call 1 arrives after all: it runs, and the caller's calls go on in order (2 was lost)
+        await asyncio.wait_for(_take(turns, "a", 1, SETTLED, log), HANG_S)
         await asyncio.wait_for(_take(turns, "a", 4, SETTLED, log), HANG_S)
         return log, turns.stats()
 
     log, stats = asyncio.run(main())
-    assert log == [("a", 3), ("a", 4)]
+    assert log == [("a", 1), ("a", 4)]
     assert stats == {"turns": 1, "turn_waiters": 0, "lost_turns": 0}
+    assert "call 2 of caller a never reached the dispatcher; passed over" in caplog.text
 
 
-def test_a_call_lost_with_the_one_that_knew_of_it_is_skipped_after_the_grace(monkeypatch, caplog):
-    monkeypatch.setattr(sequencer, "GAP_GRACE_S", 0.2)
+def test_a_long_wait_for_a_call_that_is_here_never_ends_in_going_ahead(monkeypatch):
+    # The defect: a call that waited 60 s (its predecessor held its turn, awaiting a producer
+    # being rebuilt) went ahead of it. A predecessor that is here is waited for, however long.
+    monkeypatch.setattr(sequencer, "TURN_MISSING_S", 0.05)
 
     async def main():
         turns, log = Sequencer("g/C"), []
-        await _take(turns, "a", 0)
-        # calls 1 to 5 never arrived and nobody tells (lazy calls never fetched): call 6 knows
-        # of call 5 only; after one grace, all the others are taken as lost at once
-        await asyncio.wait_for(_take(turns, "a", 6, [_lost()], log), HANG_S)
-        return log, turns.stats()
+        gate = asyncio.Event()
+        held = asyncio.ensure_future(_take(turns, "a", 0, None, log, gate))
+        await asyncio.sleep(0)
+        later = asyncio.ensure_future(_take(turns, "a", 1, [None], log))
+        await asyncio.sleep(0.5)  # ten times the bound for a missing call
+        assert log == [] and not later.done()
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(held, later), HANG_S)
+        return log
 
-    log, stats = asyncio.run(main())
-    assert log == [("a", 6)] and stats["lost_turns"] == 0
-    assert "call(s) [1, 2, 3, 4] of caller a have not reached the dispatcher" in caplog.text
+    assert asyncio.run(main()) == [("a", 0), ("a", 1)]
 
 
-def test_a_call_holding_its_turn_past_the_grace_is_not_taken_as_lost(monkeypatch):
-    monkeypatch.setattr(sequencer, "GAP_GRACE_S", 0.05)
+def test_a_call_holding_its_turn_past_the_bound_is_not_taken_as_missing(monkeypatch):
+    monkeypatch.setattr(sequencer, "TURN_MISSING_S", 0.05)
 
     async def main():
         turns, log = Sequencer("g/C"), []
@@ -170,7 +172,7 @@ def test_a_call_holding_its_turn_past_the_grace_is_not_taken_as_lost(monkeypatch
 
         async def slow_second():
             async with turns.turn(("a", 1, SETTLED)):
-                await asyncio.sleep(0.4)  # eight graces
+                await asyncio.sleep(0.4)  # eight bounds
                 log.append(("a", 1))
 
         second = asyncio.ensure_future(slow_second())
@@ -180,31 +182,6 @@ def test_a_call_holding_its_turn_past_the_grace_is_not_taken_as_lost(monkeypatch
         return log
 
     assert asyncio.run(main()) == [("a", 1), ("a", 3)]
-
-
-def test_a_call_passed_over_goes_when_its_turn_is_passed_not_after_its_own_wait(monkeypatch):
-    # Call 2 waits behind call 1, still in its turn; call 3 has gone ahead (it waited its
-    # TURN_WAIT_S) and ends, so the caller's turn jumps past 2. Call 2 goes then: it used to
-    # wait its own TURN_WAIT_S, taking later calls that had not arrived yet as lost.
-    async def main():
-        turns, log = Sequencer("g/C"), []
-        await _take(turns, "a", 0)
-        gate = asyncio.Event()
-
-        held = asyncio.ensure_future(_take(turns, "a", 1, SETTLED, gate=gate))
-        await asyncio.sleep(0)
-        second = asyncio.ensure_future(_take(turns, "a", 2, [None], log))
-        await asyncio.sleep(0.05)
-        async with turns.turn(("a", 3, SETTLED)):  # as if it went ahead after TURN_WAIT_S
-            pass
-        await asyncio.wait_for(second, HANG_S)
-        gate.set()
-        await held
-        return log, turns.stats()
-
-    log, stats = asyncio.run(main())
-    assert log == [("a", 2)]
-    assert stats == {"turns": 1, "turn_waiters": 0, "lost_turns": 0}
 
 
 def test_a_full_table_keeps_the_entry_of_a_caller_with_a_call_here(monkeypatch):

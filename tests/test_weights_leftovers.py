@@ -152,7 +152,7 @@ class _Unplanned:
         self.gang = type("G", (), {"group": "sampler", "cls_name": "Staged"})()
         self.method = "weight_sync_recv"
 
-    def plan(self, timeout=None):
+    def reply(self, timeout=None):
         self.asked.append(timeout)
         time.sleep(3.0 if timeout is None else min(timeout, 3.0))
         if timeout is not None and timeout < 3.0:
@@ -160,14 +160,14 @@ class _Unplanned:
                                    f"within {timeout:g}s", [])
         return type("Out", (), {"refs": [], "workers": []})()
 
-    refs = property(lambda self: list(self.plan().refs))
-    ranks = property(lambda self: list(self.plan().workers))
+    refs = property(lambda self: list(self.reply().refs))
+    ranks = property(lambda self: list(self.reply().workers))
 
     def done(self):
         return False
 
     def get(self, timeout=None):
-        self.plan(timeout)
+        self.reply(timeout)
         return []
 
 

@@ -35,7 +35,14 @@ from .core.logs import get_logger
 from .core.mesh import DeviceMesh
 from .core.platform import GPU, NPU, Platform
 from .infra import is_master
-from .runtime.errors import CallTimeoutError, GangStuckError, PlacementError, WorkerDiedError
+from .runtime.errors import (
+    CallTimeoutError,
+    GangClosedError,
+    GangStuckError,
+    PlacementError,
+    TurnError,
+    WorkerDiedError,
+)
 from .runtime.net import find_free_port, find_node_ip
 from .runtime.remote import remote_class
 from .runtime.session import get, get_device_placement, initialize, shutdown
@@ -59,10 +66,12 @@ __all__ = [
     "CallTimeoutError",
     "DeviceGroup",
     "DeviceMesh",
+    "GangClosedError",
     "GangStuckError",
     "LazyResult",
     "Platform",
     "PlacementError",
+    "TurnError",
     "WorkerDiedError",
     "find_free_port",
     "find_node_ip",

@@ -681,7 +681,7 @@ class WeightSync:
             # a caller's bound (abort_late False: get(timeout)) covers that wait too.
             bound = None if abort_late or wait_s is None else max(0.0, wait_s - (time.monotonic() - asked))
             try:
-                owner.update({ref: k for ref in lazy.plan(bound).refs})
+                owner.update({ref: k for ref in lazy.reply(bound).refs})
             except CallTimeoutError as e:
                 if bound is None:
                     failed.append(k)

@@ -22,14 +22,22 @@ import ray
 _NO_BLOCKING_WARNING = ("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
 
 
+class RankFailed(Exception):
+    """:func:`all_or_first_error`'s failure: rank ``rank``'s ref raised ``error``."""
+
+    def __init__(self, rank: int, error: BaseException):
+        super().__init__(f"rank {rank}: {error}")
+        self.rank, self.error = rank, error
+
+
 async def all_or_first_error(refs: list) -> list:
-    """Await every ref; on the first failure raise it (tagged with its rank) without waiting."""
+    """Await every ref; on the first failure raise RankFailed (its rank, its error) without
+    waiting for the others."""
     async def one(rank, ref):
         try:
             return await ref
         except Exception as e:
-            e._twinkle_rank = rank
-            raise
+            raise RankFailed(rank, e) from e
 
     tasks = [asyncio.ensure_future(one(r, ref)) for r, ref in enumerate(refs)]
     done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)

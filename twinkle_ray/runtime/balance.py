@@ -5,31 +5,31 @@ How a balanced call runs (the pure rules are in :mod:`twinkle_ray.core.balance`)
 1. **The caller** (:func:`split`, in the proxy) replaces each top-level list
    argument by a :class:`Chunks` marker: its chunks inline when the list is
    small, else one ``ray.put`` per chunk (never the whole batch to every
-   worker). Each worker's arguments start with a :class:`BalanceHead`: its
-   data-parallel group, the number of groups, the chunk size asked for, and
-   where the LazyResult arguments are (those are routed whole to the worker
-   and chunked there).
+   worker). Each data-parallel group gets a :class:`BalanceHead`: its group,
+   the number of groups, the chunk size asked for, and where the LazyResult
+   arguments are (those are routed whole to the worker and chunked there).
 2. **The dispatcher** takes the call like any other: one place in the gang's
-   order, one task per worker (``GangWorker.run_balanced``), submitted at
-   once. It waits for nothing; while the call runs it answers the workers'
-   ``next_chunk`` asks from its :class:`~twinkle_ray.core.balance.ChunkTable`
-   (a method that never blocks).
+   order, one task per worker (``GangWorker.run``, the head in its task),
+   submitted at once. It waits for nothing; while the call runs it answers the
+   workers' ``next_chunk`` asks from its
+   :class:`~twinkle_ray.core.balance.ChunkTable` (a method that never blocks).
 3. **Each worker** (:func:`run_chunks`) loops inside its one task: ask for its
    k-th chunk, run the method on it, check one result per item; the first
    peer of a group to ask gets the next free chunk and its tp/pp peers the
    same one. No other call runs on a rank between a balanced call's chunks.
-   It returns its results concatenated and, as a second (small) output, its
-   positions record ``[(start, stop), ...]``.
-4. **Collect** (``LazyResult.get``) puts the results back in input order;
-   routed to another gang, each consumer worker resolves its window of input
-   positions from the positions records (top-level task arguments, like
-   length records) and pulls only the outputs covering it (``lazy.Placed``).
+   It returns its results concatenated and, as its record, its positions
+   record ``[(start, stop), ...]`` (:func:`~twinkle_ray.core.routing.record_balanced`).
+4. **Join**: the results in input order
+   (:func:`~twinkle_ray.core.balance.in_input_order`), by the one rule of
+   :mod:`twinkle_ray.core.routing`, for ``get()`` and for a consumer gang
+   alike (a consumer rank pulls only the outputs covering its part).
 
 Faults are those of any call: a death fails the call with WorkerDiedError
 (the gang's teardown ends the chunk table, so no chunk runs twice, and with
 ``max_restarts`` the call is not re-run); a raising chunk ends the call's
 handing out (the other groups stop at their next ask) and the error is raised
-with its type.
+with its type. A balanced call is not checked for ranks stuck in a collective:
+its data-parallel groups run their own chunks and never share one.
 
 Example::
 
@@ -44,7 +44,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import types
 from dataclasses import dataclass
@@ -55,12 +54,12 @@ import ray
 from ..core.balance import check_result, chunk_bounds, join_items, list_length, pick_chunk_size
 from ..core.dispatch import batch_len, take, worker_data_ranks
 from ..core.functions import RemoteFunction
-from .lazy import GangRef, LazyResult
-from .routed import Placed, Window
+from ..core.routing import record_balanced
+from .diagnose import GangRef
+from .wire import PUT_BYTES, Pickler, Routable
 
 logger = logging.getLogger(__name__)
 
-PUT_THRESHOLD_BYTES = 64 * 1024  # as the proxy's put_large: smaller lists travel inline
 
 
 @dataclass(frozen=True)
@@ -89,12 +88,10 @@ class Chunks:
 
 
 def split(name: str, spec: RemoteFunction, gang: GangRef, execute: str, args: tuple,
-          kwargs: dict, nbytes) -> list[tuple[tuple, dict]]:
-    """Each worker's (args, kwargs) of a balanced call, made by the caller (see step 1).
-
-    ``nbytes(value)`` estimates a value's size (the proxy's). ValueError for a gang whose
-    class runs on its first worker only, and for list arguments of different lengths.
-    """
+          kwargs: dict) -> tuple[list[tuple[tuple, dict]], list[BalanceHead]]:
+    """(each worker's (args, kwargs), each worker's head) of a balanced call, made by the
+    caller (see step 1). ValueError for a gang whose class runs on its first worker only, and
+    for list arguments of different lengths."""
     where = f"{gang.cls_name}.{name}()"
     if execute != "all":
         raise ValueError(f"{where} on group '{gang.group}': dispatch='balance' with "
@@ -102,7 +99,7 @@ def split(name: str, spec: RemoteFunction, gang: GangRef, execute: str, args: tu
                          f"balanced call runs on every data-parallel group")
     groups, data_ranks = worker_data_ranks(gang.n_workers, gang.mesh, gang.gpus_per_worker, name,
                                            gang.group)
-    lazy = tuple(p for p, v in [*enumerate(args), *kwargs.items()] if isinstance(v, LazyResult))
+    lazy = tuple(p for p, v in [*enumerate(args), *kwargs.items()] if isinstance(v, Routable))
     has_list = any(isinstance(v, list) for v in [*args, *kwargs.values()])
     if has_list or not lazy:
         n = list_length(args, kwargs, f"{where} on group '{gang.group}'")
@@ -114,7 +111,7 @@ def split(name: str, spec: RemoteFunction, gang: GangRef, execute: str, args: tu
                 return v
             if id(v) not in cut:
                 pieces = [v[s:e] for s, e in bounds]
-                if nbytes(v) >= PUT_THRESHOLD_BYTES:  # one put per chunk
+                if _large(v):  # one put per chunk: never the whole batch to every worker
                     pieces = [ray.put(p) for p in pieces]
                 cut[id(v)] = Chunks(n, bounds, pieces)
             return cut[id(v)]
@@ -122,16 +119,22 @@ def split(name: str, spec: RemoteFunction, gang: GangRef, execute: str, args: tu
         args = tuple(chunked(v) for v in args)
         kwargs = {k: chunked(v) for k, v in kwargs.items()}
     heads = {d: BalanceHead(d, groups, spec.chunk_size, lazy, where) for d in set(data_ranks)}
-    return [((heads[d], *args), kwargs) for d in data_ranks]
+    return [(args, kwargs)] * len(data_ranks), [heads[d] for d in data_ranks]
 
 
-def run_chunks(worker: Any, seq: int | None, instance: Any, method: str, args: tuple,
-               kwargs: dict) -> tuple[Any, list[tuple[int, int]]]:
+def _large(value: list) -> bool:
+    """Whether ``value`` pickles to PUT_BYTES or more (one holding refs: put, Ray counts them)."""
+    try:
+        return len(Pickler.dumps_plain(value)) >= PUT_BYTES
+    except Pickler.HasRefs:
+        return True
+
+
+def run_chunks(worker: Any, task: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
     """A worker's loop over the chunks of one balanced call (see step 3): returns (its
-    results concatenated, or None when it ran no chunk; its positions record)."""
-    head: BalanceHead = args[0]
-    args = args[1:]
-    fn = _raw_method(instance, method)
+    results concatenated, or None when it ran no chunk; its record: its positions)."""
+    head: BalanceHead = task.balance
+    fn = _raw_method(worker.instance, task.method)
     n, bounds = None, None
     for v in [*args, *kwargs.values()]:
         if isinstance(v, Chunks):
@@ -151,7 +154,7 @@ def run_chunks(worker: Any, seq: int | None, instance: Any, method: str, args: t
     results, positions = [], []
     k = 0
     while True:
-        j = ray.get(d.next_chunk.remote(gen, seq, head.group, k, len(bounds), world))
+        j = ray.get(d.next_chunk.remote(gen, task.seq, head.group, k, len(bounds), world))
         if j is None:
             break
         s, e = bounds[j]
@@ -166,9 +169,8 @@ def run_chunks(worker: Any, seq: int | None, instance: Any, method: str, args: t
         results.append(out)
         positions.append((s, e))
         k += 1
-    if not results:
-        return None, positions
-    return join_items(results), positions
+    value = join_items(results) if results else None
+    return value, record_balanced(value, positions)
 
 
 def _raw_method(instance: Any, method: str) -> Any:
@@ -178,26 +180,3 @@ def _raw_method(instance: Any, method: str) -> Any:
     if isinstance(attr, RemoteFunction) and attr.fn is not None:
         return types.MethodType(attr.fn, instance)
     return getattr(instance, method)
-
-
-def route(lazy: LazyResult, out: Any, method: str, n: int, dispatch: Any, lengths: list,
-          spec: Any, producer: GangRef) -> list:
-    """One :class:`~twinkle_ray.runtime.lazy.Placed` marker per consumer worker for a
-    balanced LazyResult (see step 4): the producer's positions records are appended to
-    ``lengths`` (the messages' leading values); a ``slice``/``slice_dp`` consumer's window
-    covers input positions, any other takes the whole value in input order."""
-    slots = (len(lengths), len(lengths) + len(out.refs))
-    lengths.extend(out.metas)
-    named = GangRef(producer.group, producer.cls_name, dispatcher=None)
-    common = dict(refs=list(out.refs), producer=named, method=lazy.method, ranks=list(out.workers),
-                  position_slots=slots)
-    if dispatch not in ("slice", "slice_dp"):
-        return [Placed(**common)] * n
-    g = spec.group
-    if dispatch == "slice_dp":
-        parts, index = worker_data_ranks(n, spec.mesh, g.gpus_per_worker, method, g.name)
-    else:
-        parts, index = n, list(range(n))
-    where, source = f"{method}() on group '{g.name}'", f"{producer.cls_name}.{lazy.method}"
-    return [dataclasses.replace(Placed(**common), window=Window(parts, index[i], where, source))
-            for i in range(n)]

@@ -23,7 +23,7 @@ from typing import Any
 
 import ray
 
-from .aio import all_or_first_error, quiet
+from .aio import RankFailed, all_or_first_error, quiet
 from .errors import cause_text
 from .health import PROGRESS_QUERY_S, DeathRecord, Health
 from .placement import refresh_slots
@@ -134,7 +134,8 @@ class Builder:
                 await all_or_first_error(loads)
         except Exception as e:
             await self.kill()
-            rank = getattr(e, "_twinkle_rank", None)
+            rank = e.rank if isinstance(e, RankFailed) else None
+            e = e.error if isinstance(e, RankFailed) else e
             raise RuntimeError(
                 f"gang {spec.label} failed to start"
                 + (f" (rank {rank})" if rank is not None else "")

@@ -4,16 +4,13 @@ It creates and owns the gang's workers (so they die with it), starts
 torch.distributed among them, and is the gang's sequencer: every caller's
 calls reach every rank in one order. A call is taken in four steps: its
 caller's **turn** (each caller's calls in the order it made them), the gang's
-**health** (a pending stuck check or rebuild first; a dead gang raises), the
-**plan** (:mod:`~twinkle_ray.runtime.routing`: target ranks and each one's
-:class:`~twinkle_ray.runtime.message.WorkerCall`, LazyResult arguments routed
-without waiting for their values) and the **submit**.
-
-Submit: one actor task per target rank, in the gang's order (Ray keeps one
-submitter's tasks to an actor in order); it returns the output refs at once.
-A call with nothing routed goes as a named task, without a head
-(:mod:`~twinkle_ray.runtime.message`); the dispatcher notes each such task's
-id with the call's number (``GangState.tasks``), which is how a worker names it.
+**health** (a pending stuck check or rebuild first; a dead gang raises), its
+routed inputs' **producers** (their replies: refs, never values;
+:mod:`~twinkle_ray.runtime.routed`) and the **submit**: one actor task per
+target rank (:class:`~twinkle_ray.runtime.wire.Task`), in the gang's order (Ray
+keeps one submitter's tasks to an actor in order); it returns the output refs
+at once. The caller already split and pickled the arguments: this actor only
+ever holds small bytes it never unpickles, and refs.
 
 It composes one plain object per job, each in its own module ("room"):
 
@@ -22,7 +19,7 @@ It composes one plain object per job, each in its own module ("room"):
 - :mod:`~twinkle_ray.runtime.rebuild` -- teardown, restart policy, rebuilds
   (:mod:`~twinkle_ray.runtime.build` builds each generation, with the saved state restored);
 - :mod:`~twinkle_ray.runtime.ranks` -- what they share: one record per rank, the actor table;
-- :mod:`~twinkle_ray.runtime.routing` -- the plan of a call.
+- :mod:`~twinkle_ray.runtime.routed` -- the producers of a call's routed inputs.
 
 This module is the actor: its remote methods (lifecycle, the call and its
 submit, the queries) over those rooms.
@@ -31,29 +28,32 @@ Example (what GangProxy does)::
 
     d = Dispatcher.options(name="trainer/Model", num_cpus=0).remote(spec)
     ray.get(d.start.remote())
-    plan, _ = d.call.remote(CallRequest("forward", per_worker, "slice_dp", "all"))
-    out = ray.get(plan)
+    reply_ref, settled = d.call.remote(call)     # a wire.Call
+    reply = ray.get(reply_ref)
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from .aio import ThreadedGets, all_or_first_error, values
+from ..core.dispatch import call_targets
+from .aio import RankFailed, ThreadedGets, all_or_first_error, values
 from .build import Builder
-from .errors import GangStuckError, WorkerDiedError, death_cause
+from .diagnose import GangRef
+from .errors import GangStuckError, WorkerDiedError
 from .health import DeathRecord, Health
-from .lazy import END_OF_ITERATION, CallOutput, GangRef
-from .message import CallRequest
+from .lazy import END_OF_ITERATION
 from .metrics import GangMetrics
 from .ranks import GangState
 from .rebuild import Rebuilder
-from .routing import CallPlan, Router
+from .reply import Reply
+from .restarts import TICKETS_MAX
+from .routed import Routes
 from .sequencer import TURN_CALLERS_KEPT, Sequencer
 from .spec import GangSpec
+from .wire import Call, Task
 
 __all__ = ["TURN_CALLERS_KEPT", "Dispatcher", "GangSpec", "RemoteDispatcher"]
 
@@ -71,11 +71,10 @@ class Dispatcher:
         self.rebuilds = Rebuilder(self.builder)
         self.seq = 0  # calls submitted (all callers, all generations): the gang's one order
         self._gang_ref: GangRef | None = None  # this gang (with this actor's handle)
-        self._router: Router | None = None
+        self._routes: Routes | None = None
         self.metrics = GangMetrics.create(spec.label, spec.metrics)
-        # (method, with length record, balanced, inline, named) -> (the workers list, each one's
-        # bound task method)
-        self._bound: dict[tuple[str, bool, bool, bool, bool], tuple[list, list]] = {}
+        # (method, with record) -> (the workers list, each one's bound task method)
+        self._bound: dict[tuple[str, bool], tuple[list, list]] = {}
         # (node id, ip) of this actor: named in its death and in topology()
         self.node = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
         self.gets = ThreadedGets()  # an eager call's values (see _values_back)
@@ -126,17 +125,17 @@ class Dispatcher:
                                         "a collective with another gang", reason, 0))
         return True
 
-    async def report_failure(self, gen: int, seq: int | str, rank: int, method: str,
-                             cause: str) -> None:
-        """A worker's call raised (see :meth:`Health.report_failure`: the stuck check); ``seq``
-        is its number, or its task's id for a named task."""
-        self.health.report_failure(gen, seq, rank, method, cause)
+    async def report_failure(self, gen: int, seq: int, rank: int, method: str, cause: str,
+                             balanced: bool = False) -> None:
+        """A worker's call ``seq`` raised (see :meth:`Health.report_failure`: the stuck check)."""
+        self.health.report_failure(gen, seq, rank, method, cause, balanced)
 
     def set_restart_policy(self, max_restarts: int, window_s: float | None = None) -> str:
         """Replace the gang's restart limits (a Serve replica sets its own here); the
         rebuilds made so far still count."""
         return self.rebuilds.set_policy(max_restarts, window_s)
 
+    @ray.method(concurrency_group="tickets")
     async def rebuilt(self, k: int) -> float:
         """When this dispatcher's k-th automatic rebuild started; answered once it starts (the
         creator's ticket: its count of the gang's one restart budget outlives this actor)."""
@@ -149,7 +148,10 @@ class Dispatcher:
             workers = await self._running_workers()
             self.seq += 1
             outs = [w.save_state.options(num_returns=2).remote(path) for w in workers]
-            await all_or_first_error([ok for _, ok in outs])  # tiny flags; states stay put
+            try:
+                await all_or_first_error([ok for _, ok in outs])  # tiny flags; states stay put
+            except RankFailed as failed:  # the rank's own error (its note names the rank)
+                raise failed.error from None
         self.builder.saved = [state for state, _ in outs]
         return len(outs)
 
@@ -174,8 +176,8 @@ class Dispatcher:
             own = await self.deaths.last(wait_s)
             return own if own is not None or not ask_producers else await self._lost_producer()
         if ask_producers:
-            producers = self._router.producers if self._router is not None else {}
-            for handle in list(producers.values()):
+            producers = self._routes.producers if self._routes is not None else {}
+            for handle, _ in list(producers.values()):
                 try:
                     err = await handle.death_of.remote(actor_id, wait_s, False)
                 except Exception:  # that producer's dispatcher is gone too
@@ -186,16 +188,17 @@ class Dispatcher:
 
     async def _lost_producer(self) -> WorkerDiedError | None:
         """The first producer gang whose dispatcher is gone (None: none is). It owned the
-        outputs and length records this gang's calls took as inputs: a call that failed on a
-        lost object while this gang had no death lost one of those."""
-        producers = self._router.producers if self._router is not None else {}
-        for (group, cls), handle in list(producers.items()):
+        outputs and records this gang's calls took as inputs: a call that failed on a
+        lost object while this gang had no death lost one of those (named by the method last
+        routed from it here: the outputs lost are that method's)."""
+        producers = self._routes.producers if self._routes is not None else {}
+        for (group, cls), (handle, method) in list(producers.items()):
             try:
                 await handle.death.remote(0)
             except ActorUnavailableError:  # unreachable for now, not known dead
                 continue
-            except RayActorError as e:
-                return WorkerDiedError(group, cls, None, None, death_cause(e), kind="dispatcher")
+            except RayActorError:
+                return GangRef(group, cls, None).outputs_lost(method)
         return None
 
     async def check_health(self, wait: bool = False) -> None:
@@ -214,8 +217,9 @@ class Dispatcher:
     async def _running_workers(self) -> list:
         """The workers once the gang can take a call: after a pending stuck check or rebuild;
         raises the gang's error when it is broken."""
-        await self.health.checked()  # a failure was reported: were peers left stuck?
-        await self.rebuilds.settled()  # a rebuild is under way
+        if self.health.suspects or self.rebuilds.task is not None:  # not the usual case
+            await self.health.checked()  # a failure was reported: were peers left stuck?
+            await self.rebuilds.settled()  # a rebuild is under way
         if self.deaths.error is not None:
             raise self.deaths.error
         if not self.state.workers:
@@ -266,87 +270,75 @@ class Dispatcher:
         }
 
     # -- calls ---------------------------------------------------------------------------------
-    async def skip_turn(self, caller: str, seq: int) -> None:
-        """Call ``seq`` of ``caller`` never reached this actor (Ray could not unpickle its
-        arguments here; its caller saw that error): that caller's later calls stop waiting for
-        it (:meth:`~twinkle_ray.runtime.sequencer.Sequencer.skip`)."""
-        self.turns.skip(caller, seq)
-
     @ray.method(num_returns=2)
-    async def call(self, request: CallRequest) -> tuple[CallOutput, bool]:
-        """Take the call's turn, check the gang, plan the call, submit it; return the output refs
-        without waiting for them, and True: a second return that tells the caller's next call
-        that this one has settled without holding its outputs (the caller keeps that one, not
-        the plan, between calls: an idle caller pins no output it dropped).
+    async def call(self, call: Call) -> tuple[Reply, bool]:
+        """Take the call's turn, check the gang, find its routed inputs' producers, submit one
+        task per rank; return the :class:`~twinkle_ray.runtime.reply.Reply` (output refs, never
+        waited for) and True: a second return that tells the caller's next call that this one
+        has settled without holding its outputs (the caller keeps that one between calls, not
+        the reply: an idle caller pins no output it dropped).
 
-        The :class:`~twinkle_ray.runtime.message.CallRequest` (one argument: cheaper for Ray
-        to carry than its fields one by one): ``per_worker`` holds each worker's (args, kwargs)
-        as the caller already split them (plain values and ObjectRefs); LazyResult arguments in
-        it are routed by the :class:`~twinkle_ray.runtime.routing.Router`. ``turn`` = (caller
-        id, sequence number, previous call): Ray may start an async actor's tasks out of order,
-        so each caller's calls are taken strictly in the order it made them
-        (:class:`~twinkle_ray.runtime.sequencer.Sequencer`), and every rank gets the calls of
-        all callers in the one order they are submitted here. ``wait_meta`` waits for the
-        outputs' length records (iteration uses it to see StopIteration). ``collect`` names the
-        caller's collect mode (None: unknown); outputs get a length record only when routing
-        them may slice by length (each record is one more ObjectRef the caller borrows).
-        ``inline``: an eager call; once its turn has ended the dispatcher awaits the outputs
-        and replies with their values (:mod:`~twinkle_ray.runtime.inline`), or with the refs
-        if a rank failed, for the caller to raise the call's error from them.
+        ``call`` (:class:`~twinkle_ray.runtime.wire.Call`) holds each distinct set of the
+        call's arguments already split and pickled by the caller (bytes and refs only: this
+        actor never unpickles a user's value), and its routed arguments (slots). ``turn`` =
+        (caller id, number, previous call): each caller's calls are taken strictly in the
+        order it made them (:class:`~twinkle_ray.runtime.sequencer.Sequencer`), and every rank
+        gets the calls of all callers in the one order they are submitted here. An eager call
+        (``returns='inline'``) is answered once every rank has, with their values
+        (:func:`~twinkle_ray.runtime.reply.inline`), or with the refs if a rank failed, for
+        the caller to raise the call's error from them.
         """
-        method, per_worker, dispatch, execute, caller, wait_meta, turn, collect, inline = request
-        async with self.turns.turn(turn):  # 1. order
+        inline = call.returns == "inline"
+        async with self.turns.turn(call.turn):  # 1. order
             workers = await self._running_workers()  # 2. health
-            plan = await self._routing().plan(  # 3. plan
-                method, per_worker, dispatch, execute, caller, len(workers),
-                wait_meta=wait_meta, collect=collect,
-            )
-            if workers is not self.state.workers:  # rebuilt while planning: the new workers
+            inputs = [(r, *await self.routes.resolve(r)) for r in call.routes]  # 3. producers
+            if workers is not self.state.workers:  # rebuilt meanwhile: the new workers
                 workers = await self._running_workers()
-            out = self._submit(plan, workers, inline)  # 4. submit
+            reply = self._submit(call, workers, inputs)  # 4. submit
             if not inline:  # an eager call's outputs are never routed
-                self._routing().remember(turn[:2] if turn else None, out)
+                self.routes.remember(call.turn[:2] if call.turn else None, reply)
         if inline:
-            return await self._values_back(out), True
-        if wait_meta:
-            out.ended = any(m == END_OF_ITERATION for m in await values(out.metas))
-        return out.packed(), True
+            return await self._values_back(reply), True
+        if call.wait_end:
+            ended = any(r == END_OF_ITERATION for r in await values(reply.records))
+            reply = reply._replace(ended=ended)
+        return reply.packed(), True
 
-    async def _values_back(self, out: CallOutput) -> CallOutput:
-        """An eager call's reply: its outputs' values in place of the refs once every rank has
-        answered (any result not certainly small plain data stays a
-        :class:`~twinkle_ray.runtime.inline.Held` ref), or the refs themselves if a rank failed:
-        the caller raises the call's error from them, as for a lazy call (which rank, a death or
-        the user's exception)."""
+    async def _values_back(self, reply: Reply) -> Reply:
+        """An eager call's reply: each rank's Inline/Held result in place of its ref once every
+        rank has answered, or the refs themselves if a rank failed: the caller raises the
+        call's error from them, as for a lazy call (which rank, a death or the user's
+        exception)."""
         try:
-            got = await self.gets.all(out.refs)
+            got = await self.gets.all(reply.refs)
         except Exception:
-            return out
-        return dataclasses.replace(out, refs=[], values=got)
+            return reply
+        return reply._replace(refs=[], values=got)
 
-    def _submit(self, plan: CallPlan, workers: list, inline: bool = False) -> CallOutput:
-        """Send a planned call to its ranks: one actor task per target rank; takes the next
-        number in the gang's one order. Returns at once with the output refs."""
+    def _submit(self, call: Call, workers: list, inputs: list) -> Reply:
+        """Send a call to its ranks: one actor task per target rank, in the gang's one order
+        (the next number); returns at once with the output refs."""
         self.seq += 1
         if self.metrics is not None:
-            self.metrics.called(plan.method)
-        with_meta = plan.with_meta and not inline
-        named = plan.named  # no head: see message
-        submit = self._submitters(plan.method, with_meta, workers, plan.balanced, inline, named)
-        refs, metas = [], []
-        try:
-            for i, msg in zip(plan.targets, plan.messages(self.seq), strict=True):
-                args = msg.args if named else msg.task_args()
-                if with_meta:
-                    payload, meta = submit[i].remote(*args, **msg.kwargs)
-                    metas.append(meta)
-                else:
-                    payload = submit[i].remote(*args, **msg.kwargs)
-                refs.append(payload)
-        finally:  # how its workers name the call (stuck check, failure report): also the
-            if named and refs:  # ranks that got it when a later rank's submit raised
-                self.state.tasks.add(self.seq, [ref.task_id().hex() for ref in refs])
-        return CallOutput(refs=refs, metas=metas, workers=list(plan.targets), balanced=plan.balanced)
+            self.metrics.called(call.method)
+        n = len(workers)
+        targets = call_targets(call.execute, call.caller, n)
+        with_record = call.returns == "meta"
+        submit = self._submitters(call.method, with_record, workers)
+        refs, records = [], []
+        for i in targets:
+            s = call.slices[call.of_rank[i]] if call.of_rank is not None else call.slices[0]
+            extra, routes = Routes.for_rank(inputs, s.split, len(s.tops)) if inputs else ([], ())
+            task = Task(call.method, self.seq, call.returns, s.args, s.kwargs, s.nested, routes,
+                        s.split, s.balance, s.reslice)
+            if with_record:
+                out, record = submit[i].remote(task, *s.tops, *extra)
+                records.append(record)
+            else:
+                out = submit[i].remote(task, *s.tops, *extra)
+            refs.append(out)
+        balanced = any(s.balance is not None for s in call.slices)
+        return Reply(refs=refs, records=records, workers=targets, balanced=balanced)
 
     async def next_chunk(self, gen: int, seq: int, group: int, k: int, n_chunks: int,
                          n_workers: int) -> int | None:
@@ -356,32 +348,18 @@ class Dispatcher:
             return None
         return self.state.chunks.ask(seq, group, k, n_chunks, n_workers)
 
-    # -- submitting and routing -----------------------------------------------------------------
-    def _submitters(self, method: str, with_meta: bool, workers: list, balanced: bool = False,
-                    inline: bool = False, named: bool = False) -> list:
-        """Each worker's bound task method for ``method`` (``run`` with two returns,
-        ``run_value``, or ``run_inline`` for an eager call; their ``run_named`` forms for a
-        call without a head), named 'group/Class.method' for Ray's task list and timeline
-        ('Class.method' with metrics off; the worker of a named task reads the method there).
-        Made once per method and set of workers: nothing per call."""
-        key = (method, with_meta, balanced, inline, named)
+    # -- submitting ----------------------------------------------------------------------------
+    def _submitters(self, method: str, with_record: bool, workers: list) -> list:
+        """Each worker's bound ``run`` for ``method`` (two returns when the outputs keep a
+        record), named 'group/Class.method' in Ray's task list and timeline ('Class.method'
+        with metrics off: Ray keeps a ``ray_tasks`` metric series per task name, so the name
+        does not grow with the gangs made). Made once per method and set of workers."""
+        key = (method, with_record)
         hit = self._bound.get(key)
         if hit is not None and hit[0] is workers:
             return hit[1]
-        # With metrics off the name does not grow with the gangs made ('g/Cls-2', ...): Ray keeps
-        # a ray_tasks metric series per task name.
         name = f"{self.spec.label if self.spec.metrics else self.spec.cls_name}.{method}"
-        if balanced:  # dispatch='balance': a chunk loop (runtime.balance), positions record back
-            bound = [w.run_balanced.options(num_returns=2, name=name) for w in workers]
-        elif inline:  # a large result stays in the worker's store (runtime.inline)
-            bound = [(w.run_named_inline if named else w.run_inline).options(name=name)
-                     for w in workers]
-        elif with_meta:
-            bound = [(w.run_named if named else w.run).options(num_returns=2, name=name)
-                     for w in workers]
-        else:
-            bound = [(w.run_named_value if named else w.run_value).options(name=name)
-                     for w in workers]
+        bound = [w.run.options(num_returns=2 if with_record else 1, name=name) for w in workers]
         self._bound[key] = (workers, bound)
         return bound
 
@@ -391,28 +369,31 @@ class Dispatcher:
             self._gang_ref = self.spec.gang_ref(ray.get_runtime_context().current_actor, self.node)
         return self._gang_ref
 
-    def _routing(self) -> Router:
-        if self._router is None:
-            self._router = Router(self.spec, self._own_gang())
-        return self._router
+    @property
+    def routes(self) -> Routes:
+        """The routing room (made on first use: it needs this actor's own handle)."""
+        if self._routes is None:
+            self._routes = Routes(self._own_gang())
+        return self._routes
 
     def stats(self) -> dict[str, int]:
         """Sizes of the dispatcher's tables, each bounded however many calls and callers it
-        has seen: caller turns, calls waiting for their turn, recent plans kept for chaining,
+        has seen: caller turns, calls waiting for their turn, recent replies kept for chaining,
         producer gangs it routed from, and bound task methods.
 
         Example::
 
             ray.get(ray.get_actor("trainer/Model").stats.remote())["turns"]   # <= 256
         """
-        router = self._router
+        routes = self._routes
         return {
             **self.turns.stats(),
-            "recent_plans": len(router.recent) if router is not None else 0,
-            "producers": len(router.producers) if router is not None else 0,
+            "recent_replies": len(routes.recent) if routes is not None else 0,
+            "producers": len(routes.producers) if routes is not None else 0,
             "bound_submitters": len(self._bound),
-            "named_tasks": len(self.state.tasks),
         }
 
 
-RemoteDispatcher = ray.remote(Dispatcher)
+# The creator's restart tickets (rebuilt(k), each waiting until its rebuild starts) have a
+# group of their own: however many wait, calls keep every slot of the default group.
+RemoteDispatcher = ray.remote(concurrency_groups={"tickets": TICKETS_MAX})(Dispatcher)

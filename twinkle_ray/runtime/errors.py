@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import copyreg
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -149,6 +150,28 @@ class GangStuckError(WorkerDiedError):
                              self.grace_s))
 
 
+class GangClosedError(RuntimeError):
+    """A call was in flight when its gang was closed (``close()``, ``shutdown()``): it was cut
+    short and its results are gone. Nothing died; there is nothing to restart.
+
+    >>> print(GangClosedError("g/Model", "closed", "Model.step()"))
+    gang g/Model was closed (closed) while Model.step() was in flight: its results are gone; create the gang again to call it
+    """
+
+    def __init__(self, label: str, reason: str, call: str):
+        self.label, self.reason, self.call = label, reason, call
+        super().__init__(f"gang {label} was closed ({reason}) while {call} was in flight: its "
+                         f"results are gone; create the gang again to call it")
+
+    def __reduce__(self):
+        return GangClosedError, (self.label, self.reason, self.call)
+
+
+class TurnError(RuntimeError):
+    """A call did not run: an earlier call of its caller never reached the gang's dispatcher,
+    and calls never overtake each other, so this one cannot go before it."""
+
+
 class CallTimeoutError(TimeoutError):
     """A remote_function call did not finish within its ``timeout``.
 
@@ -264,3 +287,38 @@ def cause_text(e: BaseException) -> str:
         return death_cause(e)
     text = str(e)
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def portable(e: BaseException) -> BaseException:
+    """``e``, made to reach the caller as itself. An exception whose class cannot be rebuilt
+    from its ``args`` (an ``__init__`` with other parameters) would arrive as Ray's
+    UnserializableException, naming neither its type nor the rank: its class is registered
+    to be pickled by its attributes instead (:func:`copyreg.pickle`), so its type and message
+    are kept.
+
+    >>> class Odd(Exception):
+    ...     def __init__(self, a, b):
+    ...         super().__init__(f"{a}/{b}")
+    >>> import cloudpickle
+    >>> back = cloudpickle.loads(cloudpickle.dumps(portable(Odd(1, 2))))
+    >>> type(back).__name__, str(back)
+    ('Odd', '1/2')
+    """
+    import cloudpickle
+
+    try:
+        cloudpickle.loads(cloudpickle.dumps(e))
+    except Exception:
+        copyreg.pickle(type(e), _reduce_exception)
+    return e
+
+
+def _reduce_exception(e: BaseException) -> tuple:
+    return _rebuild_exception, (type(e), e.args, dict(e.__dict__))
+
+
+def _rebuild_exception(cls: type, args: tuple, state: dict) -> BaseException:
+    e = cls.__new__(cls, *args)
+    e.args = args
+    e.__dict__.update(state)
+    return e

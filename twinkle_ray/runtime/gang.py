@@ -25,9 +25,9 @@ from .dispatcher import RemoteDispatcher
 from .progress import wait_with_progress
 from .proxy import GangProxy, wait_for_gangs
 from .restarts import RebuildLedger, RestartPolicy
-from .sending import put_large, unpicklable
 from .spec import GangSpec
 from .together import Start, join_or_wait
+from .wire import unpicklable
 
 # How long a respawn waits for a dead dispatcher's name to be released by Ray.
 RESPAWN_NAME_WAIT_S = 60.0
@@ -66,7 +66,6 @@ def create_gang(
     owns = runtime.claim(group.name, [s.bundle_index for s in slots])
     taken = [s.bundle_index for s, o in zip(slots, owns, strict=True) if o]
     try:  # every failure from here on gives the claimed devices back to the group
-        [(args, kwargs)] = put_large([(args, kwargs)])
         spec = GangSpec(
             group=group,
             cls=cls,

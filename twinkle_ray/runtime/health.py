@@ -4,15 +4,11 @@ A watch task per worker tells the dispatcher within milliseconds when one
 dies; one Ray calls unavailable is watched again every ``OUTAGE_POLL_S``
 until Ray says it died, its node is reported dead (a lost node), it answers
 again (an outage that ended) or ``OUTAGE_LIMIT_S`` pass ('unreachable').
-A worker whose call raised reports it (``report_failure``); ranks of that
-same call still running ``stuck_grace_s`` later are presumed stuck in a
-collective (only in a gang that joined torch.distributed). Either way the
-failure goes to the rebuild room (``on_failure``), which tears the gang down.
-Workers name a call by its number, or by their task's id when it went without
-a head; the dispatcher keeps the numbers of the last ``TASKS_KEPT`` such tasks
-(``GangState.tasks``). A failure in a call sent before those (more than 8,192
-calls queued behind it on a 4-worker gang) is logged as too old to check, and
-its peers are not presumed stuck.
+A worker whose call raised reports it (``report_failure``, with the call's
+number); ranks of that same call still running ``stuck_grace_s`` later are
+presumed stuck in a collective (only in a gang that joined torch.distributed;
+never for a balanced call, whose data-parallel groups share no collective). Either way the failure goes to the rebuild room
+(``on_failure``), which tears the gang down.
 
 :class:`DeathRecord` is what callers are told: the current error, the last
 death (kept across restarts), each generation's death by worker actor, and
@@ -116,8 +112,9 @@ class Health:
         self.deaths = deaths
         self.on_failure = on_failure
         self._watch_task: asyncio.Task | None = None
-        # call number -> the stuck check after a failure of that call was reported
-        self._suspects: dict[int, asyncio.Task] = {}
+        # call number -> the stuck check after a failure of that call was reported (dropped when
+        # it ends: empty when no check is under way)
+        self.suspects: dict[int, asyncio.Task] = {}
 
     # -- the watch -----------------------------------------------------------------------------
     def watch(self, gen: int, workers: list) -> None:
@@ -203,27 +200,23 @@ class Health:
         return WorkerDiedError(g, cls, d.rank, d.node_ip, cause, node_id=d.node_id, kind=kind)
 
     # -- the stuck check -----------------------------------------------------------------------
-    def report_failure(self, gen: int, call: int | str, rank: int, method: str, cause: str) -> None:
-        """A worker's call raised. Unless that call is checked already, look again after the
-        grace period: ranks still inside that same call are stuck in a collective, and the gang
-        goes. A gang without torch.distributed has no collective to be stuck in: no check.
-        Ranks still on an earlier call are not stuck by this one's failure. ``call``: the
-        call's number, or the id of a named task (``GangState.tasks`` has its number)."""
-        seq = self.state.tasks.number(call)
-        if seq is not None:
-            self.state.chunks.drop(seq)  # a balanced call that raised hands out no more chunks
+    def report_failure(self, gen: int, seq: int, rank: int, method: str, cause: str,
+                       balanced: bool = False) -> None:
+        """A worker's call ``seq`` raised. Unless that call is checked already, look again after
+        the grace period: ranks still inside that same call are stuck in a collective, and the
+        gang goes. A gang without torch.distributed has no collective to be stuck in, nor a
+        ``balanced`` call (its data-parallel groups run their own chunks): no check, and a
+        balanced call hands out no more chunks. Ranks still on an earlier call are not stuck
+        by this one's failure."""
+        self.state.chunks.drop(seq)
         grace = self.state.spec.stuck_grace_s
-        if grace is None or not self.state.distributed or not self.state.current(gen):
+        if (balanced or grace is None or not self.state.distributed
+                or not self.state.current(gen)):
             return
-        if seq is None:  # a named task sent more than TASKS_KEPT tasks ago: not known any more
-            logger.warning("gang %s: rank %s failed in %s() (%s) in a call too old to check "
-                           "whether its peers are stuck in a collective", self.state.label, rank,
-                           method, cause)
-            return
-        if seq not in self._suspects:
+        if seq not in self.suspects:
             check = asyncio.ensure_future(self._check_stuck(gen, seq, rank, method, cause, grace))
-            self._suspects[seq] = check
-            check.add_done_callback(lambda _: self._suspects.pop(seq, None))
+            self.suspects[seq] = check
+            check.add_done_callback(lambda _: self.suspects.pop(seq, None))
 
     async def _check_stuck(self, gen, seq, rank, method, cause, grace) -> None:
         st = self.state
@@ -236,7 +229,7 @@ class Health:
         stuck = []
         for r, t in enumerate(asks):
             # no answer in time: as good as stuck
-            current = st.tasks.number(t.result()) if t in done else seq
+            current = t.result() if t in done else seq
             if current == seq:
                 stuck.append(r)
         if stuck and st.current(gen):
@@ -245,7 +238,7 @@ class Health:
 
     async def checked(self) -> None:
         """Wait for the stuck checks under way (a failure was reported: were peers left stuck?)."""
-        checks = [t for t in self._suspects.values() if not t.done()]
+        checks = [t for t in self.suspects.values() if not t.done()]
         if checks:
             await asyncio.wait(checks)
 

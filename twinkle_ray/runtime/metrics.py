@@ -24,8 +24,7 @@ series carries the tags ``gang`` (the gang's label, ``group/Class``) and
 ``TWINKLE_METRICS=0`` where a gang is created turns its metrics off, and its
 worker tasks are then named ``Class.method`` rather than ``group/Class.method``
 (a name per class, not per gang: Ray keeps a ``ray_tasks`` metric series per
-task name; a call sent without a head needs the method in the name, see
-:mod:`~twinkle_ray.runtime.message`). Nothing is made at import: each
+task name). Nothing is made at import: each
 dispatcher and worker makes its gang's metric objects when it starts.
 
 A call only notes its figures (a dict or list entry); one daemon thread (per

@@ -111,7 +111,7 @@ def reserve_pinned(
     nothing stays reserved then.
     """
     deadline = time.monotonic() + timeout_s
-    nodes, placements = _plan(groups, held)
+    nodes, placements = _assign(groups, held)
     probes: list[PlacementGroup] = []
     pool = None
     try:
@@ -141,7 +141,7 @@ def reserve_pinned(
     return pool, slots
 
 
-def _plan(groups: list[DeviceGroup], held: dict) -> tuple[list[_Node], dict[str, list]]:
+def _assign(groups: list[DeviceGroup], held: dict) -> tuple[list[_Node], dict[str, list]]:
     """The nodes the declared ids are on, and each worker's (node entry, ids on the node)."""
     by_key: dict[tuple[str, int], _Node] = {}
     placements: dict[str, list] = {}

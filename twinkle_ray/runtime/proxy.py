@@ -29,17 +29,18 @@ from typing import Any
 import ray
 
 from ..core.dispatch import dispatch as split_args
+from ..core.dispatch import slice_length, worker_splits
 from ..core.functions import DEFAULT_FUNCTION, RemoteFunction
 from ..core.platform import Platform
 from . import balance
+from .diagnose import Caller, GangRef, fetch
 from .errors import WorkerDiedError
-from .lazy import GangRef, LazyResult, fetch
-from .message import CallRequest
+from .lazy import LazyResult
 from .progress import wait_with_progress
 from .restarts import RebuildLedger, RestartPolicy
-from .sending import _nbytes, put_large, sent_by_value, strip_own_gang, unpicklable
 from .sequencer import SETTLED
 from .together import Start, StartFailed
+from .wire import Call, Encoding, mark_cuts
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ class GangProxy:
         # Called once by close(), in the order added (never pickled): see on_close().
         self._close_callbacks: list[Callable[[], None]] = []
         self._methods: dict[str, RemoteMethod] = {}
+        # what this proxy's calls tell it when they fail (see diagnose.Caller); never pickled
+        self._hooks = Caller(lost=self._dispatcher_died, closed=lambda: self._closed)
         # Calls are numbered per proxy so the dispatcher takes them in the order made here.
         self._caller_id = uuid.uuid4().hex
         self._next_turn = 0
@@ -208,61 +211,86 @@ class GangProxy:
             raise self._gone()
 
     def _call(self, name: str, spec: RemoteFunction, args: tuple, kwargs: dict,
-              wait_meta: bool = False) -> Any:
+              wait_end: bool = False) -> Any:
         self._check_open()
         wait_for_gangs(args, kwargs)  # not while pickling them under the turn lock
         if self._lost:
             self._rebuild_dispatcher()
-        g = self._gang
-        split = self._split(g, name, spec, args, kwargs)
-        per_worker = strip_own_gang(split, g)
+        if self._budget is not None:  # the creator: count the rebuilds made, tickets re-armed
+            self._budget.catch_up()
         execute = "first" if self._execute == "first" else spec.execute
         caller = _caller() if execute == "peer" else None
         eager = spec.sync or not (self._lazy_default if spec.lazy_collect is None else spec.lazy_collect)
-        # An eager call without a timeout gets its values in the dispatcher's reply (see
-        # runtime.inline); with one, its refs, so the timeout can name the late ranks.
-        inline = eager and spec.timeout is None and not wait_meta and spec.dispatch != "balance"
-        try:
-            with self._turn_lock:  # numbers follow submission order, also across threads
-                if self._gang is not g:  # another thread replaced the dead dispatcher meanwhile:
-                    g = self._gang  # this call goes to the new one; LazyResults of the old one
-                    per_worker = strip_own_gang(split, g)  # are not its own (they keep their gang)
-                turn = (self._caller_id, self._next_turn)
-                plan, settled = g.dispatcher.call.remote(CallRequest(
-                    name, per_worker, spec.dispatch, execute, caller, wait_meta, (*turn, self._told_prev()),
-                    spec.collect if isinstance(spec.collect, str) else "custom", inline,
-                ))
-                self._next_turn += 1  # only a submitted call takes a turn
-                self._prev = previous = _Previous(settled)
-        except Exception as e:
-            why = unpicklable(args, kwargs)
-            if why is None:
-                raise
-            raise TypeError(f"{g.cls_name}.{name}() on group '{g.group}': {why}") from e
-        result = LazyResult(plan, collect=spec.collect, gang=g, method=name, timeout=spec.timeout,
-                            turn=turn, on_lost=self._dispatcher_died, replied=previous)
-        result._sent = sent_by_value(per_worker)  # to name an argument the dispatcher could not unpickle
-        if eager:
-            return result.get()
-        return result
-
-    def _split(self, g: GangRef, name: str, spec: RemoteFunction, args: tuple,
-               kwargs: dict) -> list[tuple[tuple, dict]]:
-        """Each target worker's (args, kwargs) for a call on gang ``g``: split by ``spec``'s
-        dispatch (one entry when nothing is sliced), large values put once. The same for any
-        dispatcher of the gang (its size and mesh never change)."""
-        if spec.dispatch == "balance":  # chunks handed out while the call runs (runtime.balance)
-            per_worker = balance.split(name, spec, g, self._execute, args, kwargs, _nbytes)
-        elif spec.execute == "first" or spec.dispatch == "all" or self._execute == "first":
-            per_worker = [(args, kwargs)]
+        balanced = spec.dispatch == "balance"
+        if eager and spec.timeout is None and not wait_end and not balanced:
+            returns = "inline"  # the values in the dispatcher's reply (see runtime.reply)
+        elif wait_end or balanced or spec.collect in ("flatten", "none"):
+            returns = "meta"  # and a record: routed by it (or iteration's end, balance's order)
         else:
-            per_worker = split_args(
-                spec.dispatch, g.n_workers, args, kwargs, device_mesh=g.mesh,
-                gpus_per_worker=g.gpus_per_worker, method=name, group=g.group,
-            )
-            if all(pw is per_worker[0] for pw in per_worker):  # nothing sliced: one entry for
-                per_worker = per_worker[:1]  # all, so the call costs the same at any gang size
-        return put_large(per_worker)
+            returns = "value"
+        g = self._gang
+        call = self._encode(g, name, spec, execute, args, kwargs, caller, returns, wait_end)
+        with self._turn_lock:  # numbers follow submission order, also across threads
+            if self._gang is not g:  # another thread replaced the dead dispatcher meanwhile:
+                g = self._gang  # this call goes to the new one, whose own outputs these are not
+                call = self._encode(g, name, spec, execute, args, kwargs, caller, returns,
+                                    wait_end)
+            call = call._replace(turn=(self._caller_id, self._next_turn, self._told_prev()))
+            reply_ref, settled = g.dispatcher.call.remote(call)
+            self._next_turn += 1  # only a submitted call takes a turn
+            self._prev = previous = _Previous(settled)
+        result = LazyResult(reply_ref, collect=spec.collect, gang=g, method=name,
+                            timeout=spec.timeout, turn=call.turn[:2], caller=self._hooks,
+                            previous=previous)
+        return result.get() if eager else result
+
+    def _encode(self, g: GangRef, name: str, spec: RemoteFunction, execute: str, args: tuple,
+                kwargs: dict, caller: tuple[int, int] | None, returns: str,
+                wait_end: bool) -> Call:
+        """The call as its dispatcher takes it (:mod:`~twinkle_ray.runtime.wire`): the arguments
+        split by ``spec``'s dispatch with the pure rules, each distinct split pickled once (the
+        tp/pp peers of a data rank share one), large values put, LazyResults anywhere turned
+        into routed slots. The same for any dispatcher of the gang (its size and mesh never
+        change). A value that cannot be pickled raises TypeError naming it, before anything
+        is sent."""
+        n = g.n_workers
+        heads: list = [None] * n
+        splits: list = [None] * n
+        if spec.dispatch == "balance":  # chunks handed out while the call runs (runtime.balance)
+            per_worker, heads = balance.split(name, spec, g, self._execute, args, kwargs)
+        elif execute == "first" or spec.dispatch == "all":
+            per_worker = [(args, kwargs)] * n
+        elif callable(spec.dispatch) and _routes_any(g, name, args, kwargs):
+            # each rank applies the function to the values (it would see LazyResults here)
+            enc = Encoding(own_gang=g)
+            s = enc.encode(args, kwargs, None, reslice=(n, g.mesh, g.gpus_per_worker))
+            return Call(name, [s], None, enc.routes, execute, caller, None, returns, wait_end)
+        else:
+            marked = mark_cuts(spec.dispatch, args, kwargs)
+            per_worker = split_args(spec.dispatch, n, *marked, device_mesh=g.mesh,
+                                    gpus_per_worker=g.gpus_per_worker, method=name, group=g.group)
+            if marked[0] is not args or marked[1] is not kwargs:  # a LazyResult it cuts:
+                splits = worker_splits(spec.dispatch, n, device_mesh=g.mesh,
+                                       gpus_per_worker=g.gpus_per_worker, method=name, group=g.group)
+                if spec.dispatch == "slice":
+                    common = slice_length({f"argument {p}": len(v) for p, v in
+                                           [*enumerate(args), *kwargs.items()]
+                                           if isinstance(v, list)}, name, g.group)
+                    splits = [s._replace(slice_len=common) for s in splits]
+        enc = Encoding(own_gang=g)
+        slices, of_rank, seen = [], [], {}
+        for (a, kw), split, head in zip(per_worker, splits, heads, strict=True):
+            key = (_identity(a, kw), split, head)
+            if key not in seen:
+                try:
+                    s = enc.encode(a, kw, split, head)
+                except TypeError as e:  # names the argument
+                    raise TypeError(f"{g.cls_name}.{name}() on group '{g.group}': {e}") from None
+                seen[key] = len(slices)
+                slices.append(s)
+            of_rank.append(seen[key])
+        return Call(name, slices, None if len(slices) == 1 else of_rank, enc.routes, execute,
+                    caller, None, returns, wait_end)
 
     def _told_prev(self) -> list | str | None:
         """What this proxy's next call tells the dispatcher of its previous one (see
@@ -277,8 +305,8 @@ class GangProxy:
         return self
 
     def __next__(self) -> LazyResult:
-        result = self._call("__next__", _ITER_FUNCTION, (), {}, wait_meta=True)
-        if result.plan().ended:
+        result = self._call("__next__", _ITER_FUNCTION, (), {}, wait_end=True)
+        if result.reply().ended:
             raise StopIteration
         return result
 
@@ -326,7 +354,7 @@ class GangProxy:
             ref = g.dispatcher.save_state.remote(path, turn)
             self._next_turn += 1
             self._prev = previous = _Previous(ref)
-        n = fetch([ref], [0], g, "save_state", timeout, on_lost=self._dispatcher_died)[0]
+        n = fetch([ref], [0], g, "save_state", timeout, caller=self._hooks)[0]
         previous.replied_now()
         # States saved in memory are owned by the dispatcher and die with it; files do not.
         self._saved_files = None if path is None else [os.path.join(path, f"rank{r}.pt")
@@ -371,9 +399,9 @@ class GangProxy:
             self._use_dispatcher(dispatcher, desc)
 
     def _dispatcher_died(self, gang: GangRef) -> None:
-        """A call through ``gang`` found its dispatcher dead (a LazyResult's ``on_lost``); one of
+        """A call through ``gang`` found its dispatcher dead (``Caller.lost``); one of
         a dispatcher this proxy has replaced already changes nothing. (Never called with the
-        turn lock held: ``on_lost`` runs in a fetch, and no fetch runs under that lock.)"""
+        turn lock held: it runs in a fetch, and no fetch runs under that lock.)"""
         with self._turn_lock:  # not between another thread's replacement and its _lost = False
             if gang is self._gang:
                 self._lost = True
@@ -423,7 +451,7 @@ class GangProxy:
             self._budget.catch_up()
         g = self._gang  # once: another thread may replace a dead dispatcher meanwhile
         fetch([g.dispatcher.check_health.remote(wait)], [0], g, "check_health", timeout,
-              on_lost=self._dispatcher_died)
+              caller=self._hooks)
 
     def set_restart_policy(self, max_restarts: int, window_s: float | None = None) -> str:
         """Rebuild the gang automatically at most ``max_restarts`` times within ``window_s``
@@ -513,10 +541,25 @@ def wait_for_gangs(args: tuple, kwargs: dict) -> None:
             v.wait_started()
 
 
+def _routes_any(g: GangRef, name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a LazyResult sits anywhere in the arguments (what pickling them finds)."""
+    enc = Encoding(own_gang=g)
+    try:
+        enc.encode(args, kwargs, None)
+    except TypeError as e:  # names the argument
+        raise TypeError(f"{g.cls_name}.{name}() on group '{g.group}': {e}") from None
+    return bool(enc.routes)
+
+
+def _identity(args: tuple, kwargs: dict) -> tuple:
+    """What makes two ranks' arguments one slice: the very same objects, in order."""
+    return (*map(id, args), *((k, id(v)) for k, v in kwargs.items()))
+
+
 class _Previous:
     """A proxy's last call, as its next call tells the dispatcher of it (``Sequencer.wait``).
 
-    ``settled`` is the ref of the dispatcher's second return (not the plan, which would pin
+    ``settled`` is the ref of the dispatcher's second return (not the reply, which would pin
     the call's outputs): it settles once the call ended its turn, or failed before it reached
     the dispatcher (its arguments did not unpickle there) and so never took it. Once this
     process has had the call's reply (``replied_now``, called by the call's LazyResult), the

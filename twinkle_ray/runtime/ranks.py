@@ -16,55 +16,11 @@ Example::
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.balance import ChunkTable
 from .placement import BundleSlot
-
-# How many named tasks (sent without a head) the dispatcher keeps the call number of, the
-# oldest calls dropped first, whole: a call is still known to the stuck check if fewer tasks
-# than this were sent after it (8,192 calls on a 4-worker gang, 1,024 on 32). About 7 MB when
-# full.
-TASKS_KEPT = 32_768
-
-
-class TaskNumbers:
-    """The call number of each task sent without a head (a named task, see
-    :mod:`~twinkle_ray.runtime.message`), by the task's id: what a worker reports in place of
-    the number. Bounded: the oldest calls go first, each with all of its tasks (a peer's task
-    is never forgotten while the failed rank's task of the same call is known).
-
-    >>> t = TaskNumbers(limit=3)
-    >>> t.add(1, ["a1", "b1"]); t.add(2, ["a2", "b2"])
-    >>> t.number("a1"), t.number("b1"), t.number("b2"), t.number(7), t.number(None), len(t)
-    (None, None, 2, 7, None, 2)
-    """
-
-    def __init__(self, limit: int = TASKS_KEPT):
-        self.limit = limit
-        self._numbers: dict[str, int] = {}
-        self._calls: deque[list[str]] = deque()  # each call's task ids, oldest first
-
-    def add(self, seq: int, task_ids: list[str]) -> None:
-        """Call ``seq`` went as the named tasks ``task_ids`` (one per rank that runs it)."""
-        self._calls.append(task_ids)
-        for t in task_ids:
-            self._numbers[t] = seq
-        while len(self._numbers) > self.limit and len(self._calls) > 1:
-            for t in self._calls.popleft():
-                del self._numbers[t]
-
-    def number(self, call: int | str | None) -> int | None:
-        """The call number for what a worker reported: a number as it is, a task id looked up
-        (None: not a task of this gang, or sent too long ago), None for none."""
-        if call is None or isinstance(call, int):
-            return call
-        return self._numbers.get(call)
-
-    def __len__(self) -> int:
-        return len(self._numbers)
 
 
 @dataclass
@@ -106,8 +62,6 @@ class GangState:
     # dispatch='balance': the chunks handed out per call in flight (Dispatcher.next_chunk);
     # cleared when a generation's workers are killed, a call dropped when it reports a failure
     chunks: ChunkTable = field(default_factory=ChunkTable)
-    # the call numbers of the named tasks sent (task id -> number), for the stuck check
-    tasks: TaskNumbers = field(default_factory=TaskNumbers)
 
     def __post_init__(self):
         if not self.slots:

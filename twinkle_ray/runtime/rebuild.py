@@ -50,22 +50,36 @@ class Rebuilder:
         self.restarts = spec.restarts  # automatic rebuilds started (respawns before this included)
         self.started: list[float] = []  # when this dispatcher's automatic rebuilds started
         self._started_more = asyncio.Event()  # set when one starts (tickets wait on it)
-        self._task: asyncio.Task | None = None  # the build under way (automatic or restart())
+        # the highest rebuild its creator holds a ticket for (0: no creator follows it): the
+        # creator counts every rebuild, so none starts without a ticket to tell it
+        self.tickets = 0
+        # the build under way (automatic or restart()); None once it has ended
+        self.task: asyncio.Task | None = None
 
     @property
     def building(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self.task is not None and not self.task.done()
+
+    def _run(self, build) -> None:
+        """Start ``build`` as the build under way; ``task`` goes back to None when it ends."""
+        task = self.task = asyncio.ensure_future(build)
+
+        def ended(_: asyncio.Task) -> None:
+            if self.task is task:
+                self.task = None
+
+        task.add_done_callback(ended)
 
     async def settled(self) -> None:
         """Wait until no build is under way (a build that restart() replaced is followed by its
         replacement). Never cancels the build."""
         while self.building:
-            await asyncio.wait([self._task])
+            await asyncio.wait([self.task])
 
     def stop(self) -> None:
         """The gang is being stopped: end a build under way."""
-        if self._task is not None:
-            self._task.cancel()
+        if self.task is not None:
+            self.task.cancel()
 
     def set_policy(self, max_restarts: int, window_s: float | None = None) -> str:
         """New limits; the rebuilds made so far still count."""
@@ -75,6 +89,7 @@ class Rebuilder:
     async def started_at(self, k: int) -> float:
         """When this dispatcher's k-th automatic rebuild started (1-based); waits for it (the
         creator's ticket: see :class:`~twinkle_ray.runtime.restarts.RebuildLedger`)."""
+        self.tickets = max(self.tickets, k)
         while len(self.started) < k:
             self._started_more.clear()
             await self._started_more.wait()
@@ -91,7 +106,10 @@ class Rebuilder:
             await self.builder.kill()
             return
         now = time.time()
-        if self.policy.max_restarts > 0 and self.policy.allow(now):
+        # Followed by a creator (a ledger), a rebuild needs a ticket to count it by: without one
+        # (more rebuilds than max_restarts since the creator last looked) the budget is spent.
+        ticketed = self.tickets == 0 or len(self.started) < self.tickets
+        if self.policy.max_restarts > 0 and ticketed and self.policy.allow(now):
             self.restarts += 1
             self.started.append(now)
             self._started_more.set()
@@ -99,20 +117,23 @@ class Rebuilder:
                 self.metrics.restarted(error.kind)
             logger.warning("gang %s: automatic rebuild %d (%s)", st.label, self.restarts,
                            self.policy.describe())
-            self._task = asyncio.ensure_future(self._rebuild(error, "automatic", previous))
+            self._run(self._rebuild(error, "automatic", previous))
             return
         if self.policy.max_restarts > 0:
             if self.metrics is not None:
                 self.metrics.refused_one()
             reason = (f"not rebuilt: its restart budget is spent ({self.restarts} automatic "
-                      f"rebuild(s); {self.policy.describe()})")
+                      f"rebuild(s); {self.policy.describe()})" if ticketed else
+                      f"not rebuilt: {len(self.started)} automatic rebuild(s) since its creator "
+                      f"last called it, as many as its restart tickets count between two of "
+                      f"its calls; restart() it")
             self.deaths.not_rebuilt(reason, GangRebuildError(error, reason))
         await self.builder.kill()
 
     def _end_build(self) -> asyncio.Task | None:
         """Cancel the build under way, if any (it kills what it built); returns it, so the next
         build starts only once it has ended."""
-        previous = self._task
+        previous = self.task
         if previous is None or previous.done():
             return None
         previous.cancel()
@@ -132,7 +153,7 @@ class Rebuilder:
         death = self.deaths.restarting()  # what a failed rebuild followed
         # As a task of its own, like an automatic rebuild: calls (and a second restart) arriving
         # meanwhile wait for it instead of finding the gang half built.
-        self._task = asyncio.ensure_future(self._rebuild(death, "restart()", previous))
+        self._run(self._rebuild(death, "restart()", previous))
         await self.settled()
 
     async def _rebuild(self, error: WorkerDiedError | None, how: str,

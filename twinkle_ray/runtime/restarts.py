@@ -84,26 +84,22 @@ class RestartPolicy:
         return RestartPolicy(max_restarts, window_s, list(self.times))
 
 
-# Tickets a creator keeps waiting on one dispatcher at most (each is a pending call on it, an
-# awaited event: no CPU).
+# Tickets a creator keeps waiting on one dispatcher at most (each a pending call on it, an
+# awaited event in a concurrency group of its own: no CPU, and no slot a call needs).
 TICKETS_MAX = 64
 
 
 class RebuildLedger:
-    """The creator's copy of its gang's one restart budget: the policy and its history.
+    """The creator's copy of its gang's one restart budget: the policy and its history, exact.
 
     The creator's proxy counts its own respawns of a dead dispatcher here
-    (:meth:`allow_respawn`) and the dispatcher's automatic rebuilds as their
-    tickets are answered (:meth:`catch_up`), and hands the history to each
-    dispatcher it respawns. Up to ``min(max_restarts, TICKETS_MAX)`` tickets
-    wait on the dispatcher at a time; each catch-up takes the answered ones and
-    waits on as many new ones. With ``window_s=None`` and ``max_restarts <=
-    TICKETS_MAX`` a dispatcher can never make more rebuilds than the tickets
-    waiting on it, so the count is exact. Otherwise (a window, or more restarts
-    allowed than tickets) the tickets are re-armed whenever the creator's proxy
-    restarts, sets the policy, checks health or respawns, and rebuilds made
-    beyond the waiting tickets between two of those are not seen: a respawn can
-    then find more budget left than there is.
+    (:meth:`allow_respawn`) and the dispatcher's automatic rebuilds as their tickets are
+    answered (:meth:`catch_up`), and hands the history to each dispatcher it respawns. It
+    keeps ``min(max_restarts, TICKETS_MAX)`` tickets waiting on the dispatcher, re-armed at
+    every call it makes through the gang, and a followed dispatcher starts no rebuild without
+    a ticket to answer. So every rebuild is counted: the count is exact. The one price: more
+    than TICKETS_MAX rebuilds (with a window, or more allowed) between two of the creator's
+    calls leave the gang down, GangRebuildError saying so, rather than rebuilt uncounted.
 
     Example::
 
@@ -168,8 +164,7 @@ class RebuildLedger:
     def _arm(self) -> None:
         if self._dispatcher is None:
             return
-        want = min(self.policy.max_restarts, TICKETS_MAX)
-        while len(self._tickets) < want:
+        while len(self._tickets) < min(self.policy.max_restarts, TICKETS_MAX):
             k = self._seen + len(self._tickets) + 1
             self._tickets.append(self._dispatcher.rebuilt.remote(k))
 

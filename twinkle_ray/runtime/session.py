@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections import Counter
@@ -48,6 +49,7 @@ class Runtime:
 
     mode: str
     groups: dict[str, DeviceGroup]
+    address: str | None = None  # as asked (None: RAY_ADDRESS, or an embedded Ray)
     namespace: str | None = None
     seed: int | None = defaults.SEED
     lazy_collect: bool = defaults.LAZY_COLLECT
@@ -175,8 +177,9 @@ def initialize(
 
     mode='local': no Ray; remote classes are built in-process.
 
-    Calling it again adds new groups; re-declaring a group differently, or
-    switching mode, raises RuntimeError.
+    Calling it again adds new groups; re-declaring a group differently, switching mode, or
+    asking for other settings (``seed``, ``lazy_collect``, the timeouts, ``namespace``,
+    ``address``, Ray's own keywords) raises RuntimeError: they are the running runtime's.
 
     >>> initialize("local", groups=[DeviceGroup("cpu", 2, "cpu")])
     >>> shutdown()
@@ -197,12 +200,14 @@ def initialize(
         raise TypeError(f"initialize: {k!r} is a Twinkle keyword with no meaning here: {_TWINKLE_ONLY[k]}")
     new = list(groups or [])
     check_groups(new)
+    settings = dict(address=address, namespace=namespace, seed=seed, lazy_collect=lazy_collect,
+                    placement_timeout_s=placement_timeout_s, start_timeout_s=start_timeout_s,
+                    dist_timeout_s=dist_timeout_s)
     if _runtime is not None:
+        _check_unchanged(_runtime, settings, ray_init_kwargs)
         _extend(_runtime, mode, new)
         return
-    rt = Runtime(mode=mode, groups={}, namespace=namespace, seed=seed, lazy_collect=lazy_collect,
-                 placement_timeout_s=placement_timeout_s, start_timeout_s=start_timeout_s,
-                 dist_timeout_s=dist_timeout_s)
+    rt = Runtime(mode=mode, groups={}, **settings)
     if mode == "ray":
         rt.started_ray = connect(address, namespace, ray_init_kwargs)
         try:
@@ -216,6 +221,19 @@ def initialize(
     else:
         rt.groups.update({g.name: g for g in new})
     _runtime = rt
+
+
+def _check_unchanged(rt: Runtime, settings: dict, ray_init_kwargs: dict) -> None:
+    """RuntimeError naming each setting a second ``initialize()`` asks to change (one given
+    other than its default and other than the runtime's): it would be silently ignored."""
+    signature = inspect.signature(initialize).parameters
+    changed = [f"{k}={v!r} (the runtime has {getattr(rt, k)!r})" for k, v in settings.items()
+               if v != signature[k].default and v != getattr(rt, k)]
+    if ray_init_kwargs:
+        changed.append(f"Ray's {', '.join(sorted(ray_init_kwargs))} (Ray is running)")
+    if changed:
+        raise RuntimeError(f"initialize: already initialised; a second call can add groups but "
+                           f"not change {'; '.join(changed)}. Call shutdown() first")
 
 
 def _extend(rt: Runtime, mode: str, new: list[DeviceGroup]) -> None:
@@ -345,17 +363,28 @@ def _teardown(rt: Runtime) -> None:
 
 def get(value: Any, timeout: float | None = None) -> Any:
     """Materialise a LazyResult or another pending value (a weight sync's handle), or a
-    list/tuple of them; identity on plain values.
+    list/tuple of them; identity on plain values. ``timeout`` bounds the whole wait, however
+    many values there are.
 
     >>> get(3)
     3
     """
+    import time
+
     from .lazy import Pending
 
     if isinstance(value, Pending):
         return value.get(timeout)
     if isinstance(value, list | tuple) and any(isinstance(v, Pending) for v in value):
-        return type(value)(get(v, timeout) for v in value)
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def one(v: Any) -> Any:
+            if not isinstance(v, Pending):
+                return v
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            return v.get(left)
+
+        return type(value)(one(v) for v in value)
     return value
 
 

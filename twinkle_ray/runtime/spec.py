@@ -1,6 +1,6 @@
 """GangSpec: what a dispatcher needs to build (and rebuild) its gang, and its handles.
 
-The one place where a gang's :class:`~twinkle_ray.runtime.lazy.GangRef` and
+The one place where a gang's :class:`~twinkle_ray.runtime.diagnose.GangRef` and
 its :class:`~twinkle_ray.runtime.proxy.GangProxy` are built: by
 ``create_gang`` for the caller that made the gang, and by the dispatcher for
 callers that find it by name (``GangProxy.lookup``), so both behave the same
@@ -29,7 +29,7 @@ import ray
 
 from ..core import defaults
 from ..core.group import DeviceGroup
-from .lazy import GangRef
+from .diagnose import GangRef
 from .metrics import metrics_enabled
 from .placement import BundleSlot
 from .proxy import GangProxy

@@ -55,7 +55,7 @@ _BLOCK: contextvars.ContextVar[_Block | None] = contextvars.ContextVar("twinkle_
 
 class StartFailed(Exception):
     """Pickling a gang whose start-up failed raises this, carrying that error (``error``), so
-    code that names what cannot be pickled (``sending.unpicklable``) raises the error itself."""
+    code that names what cannot be pickled (``wire.unpicklable``) raises the error itself."""
 
     def __init__(self, error: Exception):
         super().__init__(str(error))

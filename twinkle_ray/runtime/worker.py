@@ -2,12 +2,9 @@
 
 The user's class needs no ``@ray.remote``; the worker builds it after setting
 the gang's environment (devices, RANK, MASTER_ADDR, ...) and, when asked,
-initialising torch.distributed. Calls arrive as one message format,
-:class:`~twinkle_ray.runtime.message.WorkerCall`: through ``run_named`` (and its
-``_value``/``_inline`` forms) when nothing is routed, a task that carries only
-the call's arguments and names the method in its own name; through ``run`` (and
-its forms) behind a head otherwise. Routed LazyResult pieces are fetched from
-the producers' object stores before the method is called.
+initialising torch.distributed. Every call reaches a rank through one entry
+point, ``run(task, *tops)`` (:class:`~twinkle_ray.runtime.wire.Task`); its routed
+arguments are built from the producers' object stores before the method runs.
 
 Example (what the dispatcher does)::
 
@@ -15,7 +12,7 @@ Example (what the dispatcher does)::
                     namespace=ns)
     _, port = ray.get(workers[0].endpoint.remote())       # rank 0's node IP and a free port
     ray.get(w.start.remote(port, True, dist_timeout_s, seed, (ray.put(cls), ray.put((args, kwargs)))))
-    out, meta = w.run.options(num_returns=2).remote("forward", batch)
+    out, record = w.run.options(num_returns=2).remote(task)     # a wire.Task
 """
 
 from __future__ import annotations
@@ -33,16 +30,18 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..core.routing import TupleLengths, length_record
+from ..core.dispatch import dispatch_one
+from ..core.routing import record_of
 from . import balance
 from .dist_setup import loopback_store, nccl_env, seed_everything, url_host, usable_backend
-from .inline import hold_unless_small
-from .lazy import END_OF_ITERATION
-from .message import WorkerCall
+from .errors import portable
+from .lazy import END_OF_ITERATION, LazyResult
 from .metrics import GangMetrics, args_nbytes
 from .net import is_loopback
 from .placement import resource_options
-from .routed import resolve_routed
+from .reply import inline
+from .routed import Slots
+from .wire import Task, decode
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ class GangWorker:
         os.environ.update(info.environ())
         self.info = info
         self.instance: Any = None
-        # the call running now: its number, or its task's id for a named task (None: idle)
+        # the number of the call running now (None: idle)
         self.current: int | str | None = None
         self.phase: str | None = "created"  # what start() is doing (None: started)
         self.metrics = GangMetrics.create(info.metrics, True) if info.metrics else None
@@ -149,10 +148,10 @@ class GangWorker:
         self.phase = "the constructor"
         if seed is not None:
             seed_everything(seed)
-        # Constructor arguments travel nested in a tuple, so Ray does not resolve the
-        # ObjectRefs that put_large made of large ones: resolve_routed fetches them.
-        args = tuple(resolve_routed(a) for a in args)
-        kwargs = {k: resolve_routed(v) for k, v in kwargs.items()}
+        # Constructor arguments travel nested in the payload: a whole argument that is an
+        # ObjectRef or a LazyResult is given as its value, as a call's would be.
+        args = tuple(_value_of(a) for a in args)
+        kwargs = {k: _value_of(v) for k, v in kwargs.items()}
         self.instance = cls(*args, **kwargs)
         self.phase = None
         return backend, os.getpid()
@@ -194,101 +193,78 @@ class GangWorker:
         )
         return backend
 
-    def run(self, call: bytes | str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        """The task form of a call (see :mod:`~twinkle_ray.runtime.message`); returns
-        (result, meta).
-
-        ``call`` is the method name, or the head ``b'name/seq/n'`` of a
-        :class:`~twinkle_ray.runtime.message.WorkerCall`: the first n positional
-        arguments are then its leading values (resolved by Ray before this task
-        ran). meta is the result's batch length (used to route it lazily), None
-        when it has none, or END_OF_ITERATION when ``__next__`` is exhausted.
-        """
-        return self._execute(WorkerCall.from_task(call, args, kwargs))
-
-    def run_named(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        """``run`` for a call sent without a head (nothing routed: see
-        :mod:`~twinkle_ray.runtime.message`): the method is the last part of the task's name
-        (``'group/Class.method'``, or ``'Class.method'`` with metrics off), and the call is
-        known by the task's id."""
-        return self._execute(_named_call(args, kwargs))
-
-    def run_named_value(self, *args: Any, **kwargs: Any) -> Any:
-        """``run_named`` without the length record (see ``run_value``)."""
-        return self._execute(_named_call(args, kwargs), meta=False)[0]
-
-    def run_named_inline(self, *args: Any, **kwargs: Any) -> Any:
-        """``run_named_value`` for an eager call (see ``run_inline``)."""
-        return hold_unless_small(self.run_named_value(*args, **kwargs))
-
-    def run_balanced(self, call: bytes | str, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        """The task form of a ``dispatch='balance'`` call: this rank's loop over the chunks the
-        dispatcher hands its data-parallel group (:func:`~twinkle_ray.runtime.balance.run_chunks`);
-        returns (its results concatenated, its positions record)."""
-        msg = WorkerCall.from_task(call, args, kwargs)
-        return self._execute(msg, invoke=lambda *a: balance.run_chunks(self, msg.seq, *a), meta=False)[0]
-
-    def _execute(self, call: WorkerCall, invoke=None, meta: bool = True) -> tuple[Any, Any]:
-        """Run one call on the instance; (result, meta). A failure is reported to the dispatcher
-        before it is raised, so the dispatcher can tell whether peers are left stuck in a
-        collective. ``invoke(instance, method, args, kwargs)``: how the method is run (default:
-        called once). ``meta``: whether the caller uses the result's meta (else it is None)."""
-        method, seq = call.method, call.seq
-        self.current = seq
+    def run(self, task: Task, *tops: Any) -> Any:
+        """One rank's task of a call (:mod:`~twinkle_ray.runtime.wire`): its arguments
+        decoded (routed ones built from the producers' outputs,
+        :mod:`~twinkle_ray.runtime.routed`), the method run (a balanced call: its chunk loop,
+        :mod:`~twinkle_ray.runtime.balance`), the result returned as ``task.returns`` says:
+        the result (``'value'``), the result and its record (``'meta'``), or the result for an
+        eager reply (``'inline'``). A failure is reported to the dispatcher before it is
+        raised, so it can tell whether peers are left stuck in a collective."""
+        self.current = task.seq
         m, t0, nbytes, failed = self.metrics, None, 0, True
+        record = None
         try:
-            lead = call.lead  # Ray resolved them: top-level arguments of the task
-            args = tuple(resolve_routed(a, lead) for a in call.args)
-            kwargs = {k: resolve_routed(v, lead) for k, v in call.kwargs.items()}
+            args, kwargs = self._arguments(task, tops)
             if m is not None:
                 nbytes, t0 = args_nbytes(args, kwargs), time.perf_counter()
-            if invoke is None:
-                result = getattr(self.instance, method)(*args, **kwargs)
+            if task.balance is not None:
+                result, record = balance.run_chunks(self, task, args, kwargs)
             else:
-                result = invoke(self.instance, method, args, kwargs)
+                result = getattr(self.instance, task.method)(*args, **kwargs)
             failed = False
         except StopIteration:
-            if method == "__next__":
-                failed = False
-                return None, END_OF_ITERATION
-            self._report(seq, method, StopIteration())
-            raise
+            if task.method != "__next__":
+                self._report(task, StopIteration())
+                raise
+            failed = False
+            result, record = None, END_OF_ITERATION
         except BaseException as e:
-            self._report(seq, method, e)
-            raise
+            self._report(task, e)
+            raise portable(e) from None
         finally:
             self.current = None
             if m is not None:
-                m.ran(method, None if t0 is None else time.perf_counter() - t0, nbytes, failed)
-        if result is self.instance:  # e.g. __iter__ returning self: keep it here
-            return None, None
-        return result, _meta(result) if meta else None
+                m.ran(task.method, None if t0 is None else time.perf_counter() - t0, nbytes, failed)
+        if result is self.instance:  # e.g. __iter__ returning self: it stays here
+            result = None
+        if task.returns == "meta":
+            return result, record_of(result) if record is None else record
+        if task.returns == "inline":
+            return inline(result)
+        return result
 
-    def run_value(self, call: bytes | str, *args: Any, **kwargs: Any) -> Any:
-        """``run`` without the length record: for calls whose outputs are never sliced by length."""
-        return self._execute(WorkerCall.from_task(call, args, kwargs), meta=False)[0]
+    def _arguments(self, task: Task, tops: tuple) -> tuple[tuple, dict]:
+        """The task's (args, kwargs): unpickled, routed values built (see ``run``)."""
+        info = self.info
+        where = f"{info.cls_name}.{task.method}() on rank {info.rank} of group '{info.group}'"
+        slots = Slots(task.routes, tops, task.split, task.method, info.group) if task.routes else None
+        args, kwargs = decode(task, tops, slots and slots.value, where)
+        if task.reslice is not None:  # a dispatch function, applied here to the values
+            n, mesh, gpus_per_worker = task.reslice
+            fn = getattr(type(self.instance), task.method).dispatch
+            args, kwargs = dispatch_one(fn, n, info.rank, args, kwargs, mesh, task.method,
+                                        info.group)
+        return args, kwargs
 
-    def run_inline(self, call: bytes | str, *args: Any, **kwargs: Any) -> Any:
-        """``run_value`` for an eager call: a result that is not certainly small plain data
-        stays in this worker's object store (:func:`~twinkle_ray.runtime.inline.hold_unless_small`),
-        so the dispatcher, which replies with the values, never holds payload."""
-        return hold_unless_small(self.run_value(call, *args, **kwargs))
-
-    def _report(self, seq: int | str | None, method: str, error: BaseException) -> None:
+    def _report(self, task: Task, error: BaseException) -> None:
+        """Tell the dispatcher that this rank's call failed (its stuck check; a balanced call's
+        chunks stop), and wait for the receipt: the caller must not see the error before the
+        dispatcher does."""
         d = self.info.dispatcher
-        if seq is None or d is None:
+        if d is None:
             return
         cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
-        try:  # wait for the receipt: the caller must not see the error before the dispatcher does
-            ray.get(d.report_failure.remote(self.info.generation, seq, self.info.rank, method, cause),
+        try:
+            ray.get(d.report_failure.remote(self.info.generation, task.seq, self.info.rank,
+                                            task.method, cause, task.balance is not None),
                     timeout=REPORT_TIMEOUT_S)
         except Exception:  # the dispatcher is gone or busy: raising the error matters more
             logger.debug("could not report a failure to the dispatcher", exc_info=True)
 
     @ray.method(concurrency_group="control")
     def progress(self) -> int | str | None:
-        """The call running now (its number, or its task's id for a named task), or None when
-        idle."""
+        """The number of the call running now, or None when idle."""
         return self.current
 
     @ray.method(concurrency_group="control")
@@ -356,16 +332,10 @@ class GangWorker:
             logger.debug("destroy_process_group failed", exc_info=True)
 
 
-def _named_call(args: tuple, kwargs: dict) -> WorkerCall:
-    """The call of the running named task: its method from the task's name, its id."""
-    ctx = ray.get_runtime_context()
-    return WorkerCall.from_name(ctx.get_task_name(), ctx.get_task_id(), args, kwargs)
-
-
-def _meta(result: Any) -> int | TupleLengths | None:
-    """The result's length record for lazy routing: its batch length (None when it is not one
-    batch), per element for a tuple (collected element-wise, so routed element-wise)."""
-    return length_record(result)
+def _value_of(arg: Any) -> Any:
+    if isinstance(arg, ray.ObjectRef):
+        return ray.get(arg)
+    return arg.get() if isinstance(arg, LazyResult) else arg
 
 
 # control: watch() (always), progress() and pid() beside a running call.
