@@ -67,7 +67,6 @@ def shape_value(shape: str, r: int):
 
 SHAPES = ("list", "uneven", "tuple", "namedtuple", "dict", "ndarray", "tensor", "nested",
           "scalar_pair", "empty")
-TUPLE_SHAPES = {"tuple", "namedtuple", "nested", "scalar_pair"}
 
 
 def _reverse(results, mesh):
@@ -205,36 +204,15 @@ def _is_tensor(v) -> bool:
     return torch is not None and isinstance(v, torch.Tensor)
 
 
-def tree_of(value, elementwise: bool):
-    """Which parts of a fetched value are several return values (a tuple shape)."""
-    if not (elementwise and isinstance(value, tuple)):
-        return None
-    return tuple(tree_of(v, True) for v in value)
-
-
-def _leaves(value, tree) -> list:
-    return [value] if tree is None else [x for v, t in zip(value, tree, strict=True)
-                                         for x in _leaves(v, t)]
-
-
-def _rebuild(value, tree, parts: list):
-    if tree is None:
-        return parts.pop(0)
-    items = [_rebuild(v, t, parts) for v, t in zip(value, tree, strict=True)]
-    return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-
-
-def passed(value, consumer: str, n: int, mesh: DeviceMesh, gpw: int, elementwise: bool) -> list:
+def passed(value, consumer: str, n: int, mesh: DeviceMesh, gpw: int) -> list:
     """What each consumer worker that runs the call receives when ``value`` is passed to it."""
     from twinkle_ray.core.dispatch import dispatch
 
     if consumer in ("c_all", "c_first_worker"):  # execute='first': the value whole, as plain ones
         return [value] * (1 if consumer == "c_first_worker" else n)
     mode = "slice" if consumer == "c_slice" else "slice_dp"
-    tree = tree_of(value, elementwise)
-    leaves = _leaves(value, tree)
-    per = dispatch(mode, n, tuple(leaves), {}, device_mesh=mesh, gpus_per_worker=gpw)
-    return [_rebuild(value, tree, list(args)) for args, _ in per]
+    per = dispatch(mode, n, (value,), {}, device_mesh=mesh, gpus_per_worker=gpw)
+    return [args[0] for args, _ in per]
 
 
 def same(a, b) -> bool:
@@ -301,7 +279,7 @@ def test_routed_equals_fetched_then_sliced(gangs):
         expected, expected_error = [], None
         if fetch_error is None:
             try:
-                expected = passed(value, consumer, n, mesh, gpw, shape in TUPLE_SHAPES)
+                expected = passed(value, consumer, n, mesh, gpw)
             except ValueError as e:
                 expected_error = e
         else:

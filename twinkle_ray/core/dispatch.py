@@ -31,6 +31,7 @@ or a global rank.
 
 from __future__ import annotations
 
+import copy
 import numbers
 import sys
 from collections.abc import Callable, Sequence
@@ -595,7 +596,13 @@ def _split_dp(value: Any, window: Callable[[int], tuple[int, int]]) -> Any:
     if isinstance(value, dict):
         split = {k: _split_dp(v, window) for k, v in value.items()}
         # Nothing sliced inside: hand on the caller's dict itself (no copy per worker).
-        return value if all(split[k] is value[k] for k in value) else split
+        if all(split[k] is value[k] for k in value):
+            return value
+        if type(value) is dict:
+            return split
+        out = copy.copy(value)  # a dict subclass keeps its type (OrderedDict, defaultdict)
+        out.update(split)
+        return out
     if _is_sliceable(value):
         return take(value, *window(batch_len(value)))
     return value
@@ -872,7 +879,9 @@ def _reduce(op: str, values: list, path: str) -> Any:
         if op == 'sum':
             return stacked.sum(dim=0)
         if not (stacked.is_floating_point() or stacked.is_complex()):
-            stacked = stacked.to(torch.get_default_dtype())
+            # float32, torch's own default: never the collecting process's default dtype,
+            # so a routed mean (collected in the consumer) equals the fetched one
+            stacked = stacked.to(torch.float32)
         return stacked.mean(dim=0)
     if any(isinstance(v, (np.ndarray, np.generic)) for v in values):
         _require_numeric(op, values, path)

@@ -7,8 +7,8 @@ One rule, written once::
 exactly what the rank would receive had the caller fetched the result and passed the
 value: :func:`~twinkle_ray.core.dispatch.collect` joins the outputs as ``get()`` does, and
 :func:`~twinkle_ray.core.dispatch.split_arg` cuts the value as :func:`dispatch` cuts a passed
-argument. A result of several return values (tuple results, joined element-wise) is cut
-element by element, each element as an argument in its place.
+argument. A result of several return values (tuple results, joined element-wise by
+``collect``) is then cut as that tuple would be, passed.
 
 **The fast path computes that same value with those same functions.** Each producer output
 comes with a *record* (:func:`record_of`: its structure, with the length, type and dtype of
@@ -38,7 +38,7 @@ Example: a dp=4 producer's ``collect='flatten'`` result, routed to data rank 1 o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +52,6 @@ from .dispatch import (
     collect,
     collect_sources,
     concat,
-    elementwise,
     is_list,
     is_tensor,
     split_arg,
@@ -62,9 +61,10 @@ from .dispatch import (
 # A tuple this long in an output is recorded by its length only (a skeleton of every element
 # would cost more than it saves): a result holding one is collected whole.
 TUPLE_RECORD_MAX = 256
-# Collect modes whose join can be windowed from the records (the others reduce or pick
-# whole outputs: their sources are fetched and collected).
-WINDOWED = ("flatten", "none", "first")
+# Collect modes whose join can be windowed from the records: every output is part of the
+# joined value, so a part that needs an output that raised raises. The others reduce or pick
+# outputs ('first', 'last_pp'): every output is fetched, so an error on any rank raises.
+WINDOWED = ("flatten", "none")
 
 
 class NotWindowable(Exception):
@@ -244,54 +244,42 @@ class Routed:
 
     def __init__(self, source: Source, fetch: Callable[[list[int]], list]):
         self.source, self.fetch = source, fetch
-        self._real: tuple[Any, tuple | None] | None = None
-        self._skeleton: tuple[Any, tuple | None, dict] | None = None
+        self._real: list | None = None  # [the joined value], once fetched
+        self._skeleton: tuple[Any, dict] | None = None
         if source.records is not None and (source.balanced or source.mode in WINDOWED):
             try:
                 self._skeleton = _skeleton_value(source)
             except Exception:  # noqa: BLE001 -- not windowable (or an error the real join raises)
                 self._skeleton = None
 
-    def whole(self) -> tuple[Any, tuple | None]:
-        """(the joined value, its element tree), fetched: the rule, literally."""
+    def whole(self) -> Any:
+        """The joined value, fetched: the rule, literally."""
         if self._real is None:
-            self._real = join(self.source, self.fetch)
-        return self._real
+            self._real = [join(self.source, self.fetch)]
+        return self._real[0]
 
     def part(self, split: Split | None, location: str = "argument") -> Any:
-        """``split_value(split, joined value)`` (the whole value when ``split`` is None),
+        """``split_arg(split, joined value)`` (the whole value when ``split`` is None),
         fetching only the outputs it is made of when the skeletons allow it."""
         if split is None:
-            return self.whole()[0]
+            return self.whole()
         if self._skeleton is not None:
-            value, tree, originals = self._skeleton
+            value, originals = self._skeleton
             try:
-                part = split_value(split, value, tree, location)
+                part = split_arg(split, value, location)
             except Exception:  # noqa: BLE001 -- the real value raises the error, with its types
                 part = None
             if part is not None:
                 needed = sorted(_outputs_in(part, originals))
                 got = dict(zip(needed, self.fetch(needed), strict=True))
                 return _fill(part, originals, got)
-        value, tree = self.whole()
-        return split_value(split, value, tree, location)
+        return split_arg(split, self.whole(), location)
 
     def list_lengths(self, location: str = "argument") -> dict[str, int]:
-        """The lengths of the lists ``'slice'`` would cut in this value, by name: the value
-        itself, or each element of several return values (the rule cuts them all alike)."""
-        value, tree = (self._skeleton[:2] if self._skeleton is not None else self.whole())
-        found: dict[str, int] = {}
-
-        def walk(v: Any, t: tuple | None, where: str) -> None:
-            if t is None:
-                if is_list(v):
-                    found[where] = batch_len(v)
-                return
-            for j, (x, u) in enumerate(zip(v, t, strict=True)):
-                walk(x, u, f"{where} element [{j}]")
-
-        walk(value, tree, location)
-        return found
+        """The length of the list ``'slice'`` would cut in this value, by name (none when
+        the value is not a list)."""
+        value = self._skeleton[0] if self._skeleton is not None else self.whole()
+        return {location: batch_len(value)} if is_list(value) else {}
 
 
 def route(source: Source, split: Split | None, fetch: Callable[[list[int]], list],
@@ -300,71 +288,32 @@ def route(source: Source, split: Split | None, fetch: Callable[[list[int]], list
     return Routed(source, fetch).part(split, location)
 
 
-def join(source: Source, fetch: Callable[[list[int]], list]) -> tuple[Any, tuple | None]:
-    """(the producer's value as ``get()`` gives it, its element tree: see :func:`value_tree`).
-    Fetches only the outputs the join reads (``'last_pp'``: one per data rank)."""
+def join(source: Source, fetch: Callable[[list[int]], list]) -> Any:
+    """The producer's value as ``get()`` gives it. Every output is fetched, also those the
+    join does not read (``'last_pp'``: the earlier stages'), so an error raised on any rank
+    is raised here, never dropped with the output that carried it."""
+    outputs = fetch(list(range(source.n)))
     if source.balanced:
-        outputs = fetch(list(range(source.n)))
-        value = in_input_order(outputs, [r[1] for r in source.records])
-        return value, _tree_of(value)
+        return in_input_order(outputs, [r[1] for r in source.records])
     ks = collect_sources(source.mode, source.workers, device_mesh=source.mesh,
                          gpus_per_worker=source.gpus_per_worker)
-    outputs = fetch(ks)
-    workers = [source.workers[k] for k in ks]
-    value = collect(source.mode, outputs, device_mesh=source.mesh,
-                    gpus_per_worker=source.gpus_per_worker, worker_indices=workers)
-    return value, value_tree(outputs)
-
-
-def value_tree(results: Sequence[Any]) -> tuple | None:
-    """Which parts of the joined value are a method's several return values: None when the
-    results are not joined element-wise, else one subtree per element (as ``collect``
-    recurses).
-
-    >>> value_tree([([1], (2, 3)), ([4], (5, 6))]), value_tree([[1], [2]])
-    ((None, (None, None)), None)
-    """
-    if not elementwise(results):
-        return None
-    return tuple(value_tree([r[j] for r in results]) for j in range(len(results[0])))
-
-
-def _tree_of(value: Any) -> tuple | None:
-    """The element tree of a balanced value (joined element-wise wherever it is a tuple)."""
-    return tuple(_tree_of(v) for v in value) if isinstance(value, tuple) else None
-
-
-def split_value(split: Split, value: Any, tree: tuple | None, location: str = "argument") -> Any:
-    """``split_arg`` of ``value``, element by element where ``tree`` says the value is a
-    method's several return values (each element cut as an argument in its place).
-
-    >>> from twinkle_ray.core.dispatch import Split
-    >>> split_value(Split('slice_dp', 2, 0), ([1, 2, 3, 4], ['a', 'b']), (None, None))
-    ([1, 2], ['a'])
-    """
-    if tree is None:
-        return split_arg(split, value, location)
-    items = [split_value(split, v, t, f"{location} element [{j}]")
-             for j, (v, t) in enumerate(zip(value, tree, strict=True))]
-    return type(value)(*items) if hasattr(type(value), "_fields") else tuple(items)
+    return collect(source.mode, [outputs[k] for k in ks], device_mesh=source.mesh,
+                   gpus_per_worker=source.gpus_per_worker,
+                   worker_indices=[source.workers[k] for k in ks])
 
 
 def likely_needed(source: Source, split: Split | None) -> list[int]:
     """The outputs a consumer part most likely reads, known before any record is: every
-    output the join reads, or, for a windowed join cut by ``split``, the outputs its part
-    covers when every output has as many items (exact for even layouts). What the runtime
-    hands a consumer task with it, so Ray moves them as it does raw direct ref passing;
-    the part itself is always computed by :func:`route`.
+    output, or, for a windowed join cut by ``split``, the outputs its part covers when
+    every output has as many items (exact for even layouts). The runtime hands a consumer
+    task their refs with it; the part itself is always computed by :func:`route`.
 
     >>> likely_needed(Source('flatten', None, workers=[0, 1, 2, 3]), Split('slice_dp', 2, 1))
     [2, 3]
     """
     n = source.n
-    if source.balanced:
+    if source.balanced or split is None or source.mode not in ("flatten", "none"):
         return list(range(n))
-    if split is None or source.mode not in ("flatten", "none"):
-        return collect_sources(source.mode, source.workers, device_mesh=source.mesh,
-                               gpus_per_worker=source.gpus_per_worker)
     lo = split.index * n // split.parts
     hi = -(-(split.index + 1) * n // split.parts)
     return list(range(lo, max(hi, lo + 1)))
@@ -373,17 +322,16 @@ def likely_needed(source: Source, split: Split | None) -> list[int]:
 # --------------------------------------------------------------------------- the fast path
 
 
-def _skeleton_value(source: Source) -> tuple[Any, tuple | None, dict]:
-    """The joined value as a skeleton (views and leaves of the outputs), its element tree,
-    and the skeleton nodes that stand for a whole output value (id -> (node, output, path))."""
+def _skeleton_value(source: Source) -> tuple[Any, dict]:
+    """The joined value as a skeleton (views and leaves of the outputs), and the skeleton
+    nodes that stand for a whole output value (id -> (node, output, path))."""
     originals: dict[int, tuple[Any, int, tuple]] = {}  # id -> (node, output, path)
     if source.balanced:
-        value = _balanced_skeleton(source.records)
-        return value, _tree_of(value), originals
+        return _balanced_skeleton(source.records), originals
     skeletons = [_skeleton(r, k, (), originals) for k, r in enumerate(source.records)]
     value = collect(source.mode, skeletons, device_mesh=source.mesh,
                     gpus_per_worker=source.gpus_per_worker, worker_indices=source.workers)
-    return value, value_tree(skeletons), originals
+    return value, originals
 
 
 def _skeleton(record: tuple, k: int, path: tuple, originals: dict) -> Any:

@@ -52,7 +52,7 @@ from typing import Any
 import ray
 
 from ..core.balance import check_result, chunk_bounds, join_items, list_length, pick_chunk_size
-from ..core.dispatch import batch_len, take, worker_data_ranks
+from ..core.dispatch import worker_data_ranks
 from ..core.functions import RemoteFunction
 from ..core.routing import record_balanced
 from .diagnose import GangRef
@@ -139,17 +139,17 @@ def run_chunks(worker: Any, task: Any, args: tuple, kwargs: dict) -> tuple[Any, 
     for v in [*args, *kwargs.values()]:
         if isinstance(v, Chunks):
             n, bounds = v.n, v.bounds
-    for key in head.lazy:  # routed whole: cut here
-        got = batch_len(args[key] if isinstance(key, int) else kwargs[key])
-        if got is None or (n is not None and got != n):
-            raise ValueError(f"{head.where} (dispatch='balance'): argument {key!r} has "
-                             f"{'no batch length' if got is None else f'{got} items'}"
-                             + (f", the list arguments {n}" if n is not None else ""))
-        n = got
+    # routed values came whole: cut here, as the caller cuts a passed value (a list is cut
+    # into the chunks, anything else goes whole to every chunk)
+    routed = {key: args[key] if isinstance(key, int) else kwargs[key] for key in head.lazy}
+    lists = {key for key, v in routed.items() if isinstance(v, list)}
     if bounds is None:
-        if not n:
-            raise ValueError(f"{head.where} (dispatch='balance') got an empty batch")
+        n = list_length((), {repr(k): routed[k] for k in lists}, head.where)
         bounds = chunk_bounds(n, pick_chunk_size(n, head.groups, head.chunk_size))
+    for key in lists:
+        if len(routed[key]) != n:
+            raise ValueError(f"{head.where} (dispatch='balance'): argument {key!r} has "
+                             f"{len(routed[key])} items, the list arguments {n}")
     d, gen, world = worker.info.dispatcher, worker.info.generation, worker.info.world_size
     results, positions = [], []
     k = 0
@@ -162,7 +162,7 @@ def run_chunks(worker: Any, task: Any, args: tuple, kwargs: dict) -> tuple[Any, 
         def cut(key, v, j=j, s=s, e=e):
             if isinstance(v, Chunks):
                 return v.piece(j)
-            return take(v, s, e) if key in head.lazy else v
+            return v[s:e] if key in lists else v
 
         out = fn(*(cut(i, v) for i, v in enumerate(args)), **{q: cut(q, v) for q, v in kwargs.items()})
         check_result(out, e - s, head.where)

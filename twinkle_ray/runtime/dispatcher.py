@@ -328,14 +328,14 @@ class Dispatcher:
         refs, records = [], []
         for i in targets:
             s = call.slices[call.of_rank[i]] if call.of_rank is not None else call.slices[0]
-            extra, routes = Routes.for_rank(inputs, s.split, len(s.tops)) if inputs else ([], ())
+            routes = Routes.for_rank(inputs, s.split) if inputs else ()
             task = Task(call.method, self.seq, call.returns, s.args, s.kwargs, s.nested, routes,
                         s.split, s.balance, s.reslice)
             if with_record:
-                out, record = submit[i].remote(task, *s.tops, *extra)
+                out, record = submit[i].remote(task, s.tops)
                 records.append(record)
             else:
-                out = submit[i].remote(task, *s.tops, *extra)
+                out = submit[i].remote(task, s.tops)
             refs.append(out)
         balanced = any(s.balance is not None for s in call.slices)
         return Reply(refs=refs, records=records, workers=targets, balanced=balanced)

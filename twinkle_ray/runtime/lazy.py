@@ -36,7 +36,7 @@ from ..core.routing import Source, join
 from .diagnose import OUTPUT_REFS, Caller, GangRef, fetch, fetch_timed_out, read_quietly, user_error
 from .errors import CallTimeoutError
 from .reply import Reply, values_of
-from .wire import Routable, Route
+from .wire import PUT_BYTES, Routable, Route
 
 END_OF_ITERATION = "twinkle_ray:end-of-iteration"
 
@@ -161,7 +161,11 @@ class LazyResult(Pending, Routable):
 
     def route_facts(self) -> Route:
         """What a call this LazyResult is passed to routes it by (see ``wire.Route``)."""
-        collect = self.collect if isinstance(self.collect, str) else cloudpickle.dumps(self.collect)
+        collect = self.collect
+        if not isinstance(collect, str):  # a callable travels pickled; put when large (one
+            collect = cloudpickle.dumps(collect)  # holding a big closure): never payload in a
+            if len(collect) >= PUT_BYTES:  # dispatcher, nor once per rank
+                collect = ray.put(collect)
         reply = self._reply.traveling() if self._reply is not None else None
         return Route(self.reply_ref, reply, self.gang, self.method, self.turn, collect)
 
@@ -198,7 +202,7 @@ class LazyResult(Pending, Routable):
                                 self._caller)
             source = Source(self.collect, records, reply.workers, self.gang.mesh,
                             self.gang.gpus_per_worker, reply.balanced)
-            self._value, _ = join(source, outputs)
+            self._value = join(source, outputs)
             self._has_value = True
         return self._value
 

@@ -5,18 +5,21 @@ A LazyResult argument reaches a call's dispatcher as a slot (a
 producer's :class:`~twinkle_ray.runtime.reply.Reply` (its own recent call's, the one the
 sender had at hand, or the producer call's reply ref, which its dispatcher answered as
 soon as it submitted the call: never a wait on the producer's *outputs*), and gives each
-rank's task the records of the outputs and the outputs the rank most likely reads as
-top-level arguments (Ray moves them with the task, as in raw direct ref passing), and a
-:class:`RouteIn` per slot.
+rank's task a :class:`RouteIn` per slot: the refs of the outputs' records and of the
+outputs the rank most likely reads.
 
 The rank (:class:`Slots`) computes the value with the one rule,
 :class:`~twinkle_ray.core.routing.Routed`: from the records, only the outputs its part is
-made of are fetched (from the task's top-level arguments, or pulled from the producers'
-object stores), never through the driver or a dispatcher.
+made of are fetched, pulled from the producers' object stores, never through the driver
+or a dispatcher. The refs travel nested, not as top-level task arguments: Ray would
+resolve those before the method starts, and a rank whose input failed there (a producer's
+error, an output it cannot unpickle) would fail unseen by its dispatcher while its peers
+went on into a collective. Pulled inside the rank's call, such a failure is reported like
+any other (the stuck check) and names the producer.
 
 Example (in a rank)::
 
-    slots = Slots(task, tops, where="Trainer.step() on group 'trainer'")
+    slots = Slots(task.routes, task.split, "step", "trainer")
     args, kwargs = wire.decode(task, tops, slots.value)
 """
 
@@ -47,14 +50,14 @@ RECENT_KEEP_S = 2.0
 class RouteIn(NamedTuple):
     """What a rank's task carries of one routed argument (see the module docstring)."""
 
-    mode: Any  # the producer's collect mode; a callable pickled (bytes)
+    mode: Any  # the producer's collect mode; a callable pickled (bytes, or their ref when large)
     workers: list[int]  # producer gang rank of each output
     mesh: Any = None  # the producer's mesh ('last_pp')
     gpus_per_worker: int = 1
     balanced: bool = False
-    records: tuple[int, int] | None = None  # tops [a, b): each output's record; None: not kept
-    hints: dict[int, int] = {}  # output -> the top holding it (never changed in place)
-    reply_ref: Any = None  # the producer's reply: the refs of outputs not among the tops
+    records: list | None = None  # the ref of each output's record; None: not kept
+    hints: dict[int, Any] = {}  # output -> its ref, for the outputs the rank likely reads
+    reply_ref: Any = None  # the producer's reply: the refs of outputs not among the hints
     refs: list | None = None  # those refs themselves, when there is no reply ref to read
     producer: GangRef | None = None  # named in errors (no dispatcher handle: kept small)
     method: str = ""
@@ -102,31 +105,21 @@ class Routes:
         return reply, producer
 
     @staticmethod
-    def for_rank(resolved: list[tuple[Route, Reply, GangRef]], split: Split | None,
-                 first: int) -> tuple[list, tuple]:
-        """One rank's extra top-level arguments (records, likely outputs; numbered from
-        ``first``) and its RouteIn per slot."""
-        tops: list = []
+    def for_rank(resolved: list[tuple[Route, Reply, GangRef]], split: Split | None) -> tuple:
+        """One rank's RouteIn per slot."""
         ins = []
         for route, reply, producer in resolved:
-            records = None
-            if reply.records:
-                records = (first + len(tops), first + len(tops) + len(reply.records))
-                tops.extend(reply.records)
             cut = split if route.cut else None
-            hints = {}
             source = Source(route.collect, None, reply.workers, producer.mesh,
                             producer.gpus_per_worker, reply.balanced)
-            for k in likely_needed(source, cut):
-                hints[k] = first + len(tops)
-                tops.append(reply.refs[k])
+            hints = {k: reply.refs[k] for k in likely_needed(source, cut)}
             ins.append(RouteIn(
                 route.collect, list(reply.workers), producer.mesh, producer.gpus_per_worker,
-                reply.balanced, records, hints,
+                reply.balanced, list(reply.records) if reply.records else None, hints,
                 reply_ref=route.reply_ref,
                 producer=GangRef(producer.group, producer.cls_name, dispatcher=None),
                 method=route.method, cut=route.cut, location=route.location))
-        return tops, tuple(ins)
+        return tuple(ins)
 
 
 class Slots:
@@ -135,8 +128,8 @@ class Slots:
     ``where`` names the consumer call in errors (``"Trainer.step() on group 'trainer'"``).
     """
 
-    def __init__(self, routes: tuple, tops: tuple, split: Split | None, method: str, group: str):
-        self.routes, self.tops, self.split = routes, tops, split
+    def __init__(self, routes: tuple, split: Split | None, method: str, group: str):
+        self.routes, self.split = routes, split
         self.method, self.group = method, group
         self._routed: dict[int, Routed] = {}
         self._slice_len: int | None = None
@@ -145,8 +138,12 @@ class Slots:
         r = self._routed.get(j)
         if r is None:
             rin: RouteIn = self.routes[j]
-            mode = pickle.loads(rin.mode) if isinstance(rin.mode, bytes) else rin.mode
-            records = None if rin.records is None else list(self.tops[slice(*rin.records)])
+            mode = rin.mode
+            if isinstance(mode, ray.ObjectRef):  # a large callable, put by the caller
+                mode = ray.get(mode)
+            mode = pickle.loads(mode) if isinstance(mode, bytes) else mode
+            records = None if rin.records is None else pull(
+                list(rin.records), rin.producer, rin.method, rin.workers)
             source = Source(mode, records, rin.workers, rin.mesh, rin.gpus_per_worker,
                             rin.balanced)
             r = self._routed[j] = Routed(source, lambda ks, rin=rin: self._fetch(rin, ks))
@@ -172,21 +169,17 @@ class Slots:
         return self._slice_len
 
     def _fetch(self, rin: RouteIn, ks: list[int]) -> list:
-        """Outputs ``ks``: from the task's top-level arguments, else pulled."""
-        missing = [k for k in ks if k not in rin.hints]
-        got = {}
-        if missing:
-            refs = rin.refs
-            if refs is None:
-                try:
-                    refs = ray.get(rin.reply_ref).unpacked().refs
-                except ObjectFetchTimedOutError as e:  # Ray found no copy in time: not a death
-                    raise fetch_timed_out(e, rin.producer, rin.method, None, OUTPUT_REFS) from None
-                except RayError as e:
-                    raise rin.producer.reply_lost(e, rin.method) from None
-            got = dict(zip(missing, pull([refs[k] for k in missing], rin.producer, rin.method,
-                                         [rin.workers[k] for k in missing]), strict=True))
-        return [self.tops[rin.hints[k]] if k in rin.hints else got[k] for k in ks]
+        """Outputs ``ks``, pulled from the producers' object stores in one ``ray.get``."""
+        refs = rin.refs
+        if refs is None and any(k not in rin.hints for k in ks):
+            try:
+                refs = ray.get(rin.reply_ref).unpacked().refs
+            except ObjectFetchTimedOutError as e:  # Ray found no copy in time: not a death
+                raise fetch_timed_out(e, rin.producer, rin.method, None, OUTPUT_REFS) from None
+            except RayError as e:
+                raise rin.producer.reply_lost(e, rin.method) from None
+        return pull([rin.hints[k] if k in rin.hints else refs[k] for k in ks], rin.producer,
+                    rin.method, [rin.workers[k] for k in ks])
 
 
 def pull(refs: list, producer: GangRef, method: str, ranks: list) -> list:

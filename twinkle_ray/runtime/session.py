@@ -384,7 +384,8 @@ def get(value: Any, timeout: float | None = None) -> Any:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             return v.get(left)
 
-        return type(value)(one(v) for v in value)
+        items = [one(v) for v in value]
+        return type(value)(*items) if hasattr(type(value), "_fields") else type(value)(items)
     return value
 
 

@@ -1,8 +1,9 @@
 """The call's wire format: what a caller sends its gang's dispatcher, and each rank's task.
 
 A call travels as one :class:`Call` (caller -> dispatcher), then as one actor task per
-rank, ``worker.run(task, *tops)`` (dispatcher -> rank), where ``task`` is a :class:`Task`
-and ``tops`` are ObjectRefs Ray resolves before the task runs (as raw Ray passes refs).
+rank, ``worker.run(task, tops)`` (dispatcher -> rank), where ``task`` is a :class:`Task`
+and ``tops`` the refs of what the caller put (large arrays and pickles, ObjectRefs passed
+whole), fetched by the rank inside its call.
 
 **Arguments are pickled by the caller** (:meth:`Encoding.encode`), each argument on its
 own, once per distinct slice of them (the tp/pp peers of a data rank share one), with a
@@ -12,11 +13,13 @@ pickler (:class:`Pickler`) that:
   tuples, dataclasses, any object pickle can walk), into a *slot*: a :class:`Route` the
   dispatcher resolves and the rank materialises (:mod:`~twinkle_ray.runtime.routed`);
 - keeps ObjectRefs and actor handles out of the bytes (``nested``, serialised by Ray,
-  which keeps count of them); an ObjectRef passed as a whole argument is resolved by Ray
-  to its value, as for any Ray task;
-- puts every array or tensor of ``PUT_BYTES`` or more in the object store (a top-level
-  task argument: the rank gets it zero-copy), and an argument's pickle itself when it
-  comes to ``PUT_BYTES`` or more.
+  which keeps count of them); an ObjectRef passed as a whole argument is given to the
+  method as its value, as for any Ray task;
+- puts every array or tensor of ``PUT_BYTES`` or more in the object store (the rank
+  fetches it zero-copy), and the arguments' pickles themselves, largest first, until
+  those left in the task come to less than ``PUT_BYTES`` together;
+- pickles a tensor that is a view of a larger storage (a slice of a batch) as a copy of
+  its own elements: torch would pickle the whole storage.
 
 So the dispatcher only ever holds bytes it never unpickles, small ones, and refs: no
 payload, no user type, and nothing it could fail to unpickle. Sizes are the real
@@ -68,7 +71,7 @@ class Route(NamedTuple):
     gang: Any = None  # the producer's GangRef; None: the gang called (its own outputs)
     method: str = ""
     turn: tuple | None = None  # (caller id, number) of the producer call
-    collect: Any = "none"  # the producer's collect mode; a callable travels pickled (bytes)
+    collect: Any = "none"  # the producer's collect mode; a callable pickled (bytes; put if large)
     cut: bool = False  # sits where the consumer's dispatch cuts it (else passed whole)
     location: str = "argument"  # where it sits, for errors: "argument 0 ['rollouts']"
 
@@ -95,7 +98,7 @@ class Slice(NamedTuple):
     # passed whole (Resolved)
     args: tuple = ()
     kwargs: dict = {}  # likewise, per keyword
-    tops: list = []  # refs passed as top-level task arguments
+    tops: list = []  # refs of what the caller put, and ObjectRefs passed whole
     nested: list = []  # refs and handles inside the arguments
     split: Split | None = None  # how a routed value at a cut position is cut for its ranks
     balance: Any = None  # dispatch='balance': the rank's chunk loop (runtime.balance.BalanceHead)
@@ -119,7 +122,7 @@ class Call(NamedTuple):
 
 
 class Task(NamedTuple):
-    """One rank's task of a call (its first argument; ``tops`` follow it)."""
+    """One rank's task of a call (its first argument; ``tops`` the second)."""
 
     method: str
     seq: int  # the gang's call number: what the rank reports (stuck check, failures)
@@ -156,6 +159,8 @@ class Pickler(cloudpickle.CloudPickler):
             if isinstance(obj, Routable):
                 return _slot, (enc.route(obj, False, "argument"),)
             return _nested, (enc.nest(obj),)
+        if is_tensor(obj) and _partial_view(obj):  # torch pickles a view with its storage
+            return _same, (obj.clone(memory_format=_contiguous()),)
         if enc is not None and _big_array(obj):
             return _top, (enc.put(obj),)
         return super().reducer_override(obj)
@@ -166,6 +171,30 @@ class Pickler(cloudpickle.CloudPickler):
         buf = io.BytesIO()
         cls(buf, None).dump(obj)
         return buf.getvalue()
+
+
+def _partial_view(t: Any) -> bool:
+    """Whether tensor ``t`` is a view of a larger storage (a slice of a batch): pickled, it
+    would carry the whole storage. Plain strided tensors only; one that records gradients
+    travels as it is."""
+    return (t.layout is _strided() and not t.requires_grad and not t.is_quantized
+            and t.untyped_storage().nbytes() > t.nbytes)
+
+
+def _strided() -> Any:
+    import torch
+
+    return torch.strided
+
+
+def _contiguous() -> Any:
+    import torch
+
+    return torch.contiguous_format
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _big_array(obj: Any) -> bool:
@@ -218,9 +247,20 @@ class Encoding:
         """One slice: each argument pickled (see the module docstring). TypeError names an
         argument that cannot be pickled."""
         self._tops, self._nested = [], []
-        encoded = tuple(self._one(a, f"argument {i}") for i, a in enumerate(args))
-        named = {k: self._one(v, f"argument {k!r}") for k, v in kwargs.items()}
-        return Slice(encoded, named, self._tops, self._nested, split, balance, reslice)
+        items = {i: self._one(a, f"argument {i}") for i, a in enumerate(args)}
+        items.update((k, self._one(v, f"argument {k!r}")) for k, v in kwargs.items())
+        # the pickles that stay in the task come to less than PUT_BYTES together: the
+        # largest are put until they do (so no number of arguments carries payload through
+        # the dispatcher)
+        inline = sorted((k for k, v in items.items() if isinstance(v, bytes)),
+                        key=lambda k: len(items[k]))
+        total = sum(len(items[k]) for k in inline)
+        while total >= PUT_BYTES:
+            k = inline.pop()
+            total -= len(items[k])
+            items[k] = self.top(ray.put(items[k]))
+        return Slice(tuple(items[i] for i in range(len(args))), {k: items[k] for k in kwargs},
+                     self._tops, self._nested, split, balance, reslice)
 
     def _one(self, value: Any, name: str) -> bytes | int | Resolved:
         if isinstance(value, ray.ObjectRef):  # a whole argument: Ray resolves it to its value
@@ -329,7 +369,7 @@ class Unpickler(pickle.Unpickler):
 
 
 def decode(task: Task, tops: tuple, slot, where: str = "") -> tuple[tuple, dict]:
-    """The rank's (args, kwargs): ``tops`` are its resolved top-level arguments, ``slot(j)``
+    """The rank's (args, kwargs): ``tops`` are the values of the task's tops, ``slot(j)``
     gives routed argument ``j``'s value. An argument that cannot be unpickled here (a module
     the caller has and the workers lack, a ``__setstate__`` that raises) raises TypeError
     naming it and ``where`` (the call, the rank); a routed value's own error (a producer's
@@ -342,7 +382,7 @@ def decode(task: Task, tops: tuple, slot, where: str = "") -> tuple[tuple, dict]
             raise _RoutedError(e) from None
 
     def one(item: bytes | int | Resolved, name: str) -> Any:
-        if isinstance(item, Resolved):  # an ObjectRef passed whole: Ray resolved it
+        if isinstance(item, Resolved):  # an ObjectRef passed whole: its value
             return tops[item.top]
         data = tops[item] if isinstance(item, int) else item
         try:

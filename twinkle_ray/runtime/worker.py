@@ -3,7 +3,7 @@
 The user's class needs no ``@ray.remote``; the worker builds it after setting
 the gang's environment (devices, RANK, MASTER_ADDR, ...) and, when asked,
 initialising torch.distributed. Every call reaches a rank through one entry
-point, ``run(task, *tops)`` (:class:`~twinkle_ray.runtime.wire.Task`); its routed
+point, ``run(task, tops)`` (:class:`~twinkle_ray.runtime.wire.Task`); its routed
 arguments are built from the producers' object stores before the method runs.
 
 Example (what the dispatcher does)::
@@ -193,7 +193,7 @@ class GangWorker:
         )
         return backend
 
-    def run(self, task: Task, *tops: Any) -> Any:
+    def run(self, task: Task, tops: list) -> Any:
         """One rank's task of a call (:mod:`~twinkle_ray.runtime.wire`): its arguments
         decoded (routed ones built from the producers' outputs,
         :mod:`~twinkle_ray.runtime.routed`), the method run (a balanced call: its chunk loop,
@@ -235,10 +235,14 @@ class GangWorker:
         return result
 
     def _arguments(self, task: Task, tops: tuple) -> tuple[tuple, dict]:
-        """The task's (args, kwargs): unpickled, routed values built (see ``run``)."""
+        """The task's (args, kwargs): the put values fetched, unpickled, routed values built
+        (see ``run``). Everything a rank reads is fetched here, inside its call, never by Ray
+        before the method starts: a rank whose input cannot be had fails like any call, seen
+        by the dispatcher (its stuck check), while its peers may be in a collective."""
         info = self.info
         where = f"{info.cls_name}.{task.method}() on rank {info.rank} of group '{info.group}'"
-        slots = Slots(task.routes, tops, task.split, task.method, info.group) if task.routes else None
+        tops = ray.get(tops) if tops else tops
+        slots = Slots(task.routes, task.split, task.method, info.group) if task.routes else None
         args, kwargs = decode(task, tops, slots and slots.value, where)
         if task.reslice is not None:  # a dispatch function, applied here to the values
             n, mesh, gpus_per_worker = task.reslice
