@@ -82,3 +82,12 @@ def test_cli_writes_the_file(tmp_path):
     subprocess.run([sys.executable, "-m", "bench", "--report", "--from", str(FIXTURE), "--out", str(out)],
                    cwd=ROOT, check=True, timeout=120)
     assert out.read_text().startswith("# Benchmarks: the current figures")
+
+
+def test_benchmarks_md_is_what_the_generator_makes_of_the_committed_runs(monkeypatch):
+    """BENCHMARKS.md cannot drift: it is the report of bench/results/*.json, byte for byte
+    (regenerate: ``python -m bench --report --from bench/results/*.json --out BENCHMARKS.md``)."""
+    monkeypatch.chdir(ROOT)
+    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "bench" / "results").glob("*.json"))
+    assert sources, "no bench run in bench/results/"
+    assert (ROOT / "BENCHMARKS.md").read_text() == report.render(report.load(sources), sources)

@@ -342,7 +342,7 @@ def test_tuple_results_route_element_wise(gangs):
 
 
 def test_dict_with_keys_of_different_lengths_routes_key_by_key(gangs):
-    """Review: a dict whose values differ in length is sliced key by key, as slice_dp splits the
+    """A dict whose values differ in length is sliced key by key, as slice_dp splits the
     fetched value, never handed whole to every data rank."""
     dp, _, _ = gangs["dp"]  # 4 ranks
     pairs, mesh, gpw = gangs["gpw2"]  # 2 workers, dp=2
