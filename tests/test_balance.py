@@ -326,7 +326,7 @@ class Picky:
 
 @pytest.mark.slow
 def test_a_raising_chunk_fails_the_call_and_leaves_the_gang_up(runtime):
-    """Reported: a raising chunk tore the whole gang down: the stuck check took the other
+    """Guards against: a raising chunk tore the whole gang down: the stuck check took the other
     data-parallel group, running its own chunk, for a rank stuck in a collective. A balanced
     call's groups share no collective: no stuck check, the error raised with its type, the
     gang goes on."""

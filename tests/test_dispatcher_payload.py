@@ -147,7 +147,7 @@ class Payload:
 
 
 def test_a_large_argument_of_a_users_class_never_reaches_the_dispatcher(runtime, tmp_path):
-    """Reported: an 8 MB dataclass argument was unpickled by the dispatcher (its size was
+    """Guards against: an 8 MB dataclass argument was unpickled by the dispatcher (its size was
     guessed at 64 bytes: no ``nbytes``). The caller measures each argument's pickle: 8 MB goes
     to the object store, and only the ranks unpickle it."""
     trace = str(tmp_path)

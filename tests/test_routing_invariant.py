@@ -328,7 +328,7 @@ def test_routed_equals_fetched_then_sliced(gangs):
 
 
 def test_tuple_results_route_element_wise(gangs):
-    """Item 1, as reported: routed tuple results equal the fetched ones, element by element."""
+    """Routed tuple results equal the fetched ones, element by element."""
     dp, _, _ = gangs["dp"]  # 4 ranks, dp=4
     pairs, _, _ = gangs["gpw2"]  # 2 workers
     assert dp.p_pair()() == ([0, 10, 20, 30], [1, 11, 21, 31])
