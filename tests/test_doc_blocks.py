@@ -388,6 +388,7 @@ def test_every_doc_command_is_accounted_for():
             assert (ROOT / path).is_file(), path
 
 
+@pytest.mark.slow  # about 20 s: the CLI and the examples import torch
 def test_pure_doc_commands_run_as_written(tmp_path, venv):
     """The blocks that need no cluster: a groups file and its plan, --help of the CLI and an
     example, run with bash from the repository root (the groups file written to a temp dir)."""
