@@ -160,6 +160,7 @@ def test_a_second_initialize_cannot_change_the_settings(runtime):
     assert sorted(current().groups) == ["s1", "s2"]
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_get_after_shutdown_raises_and_starts_no_ray(runtime):
     """Guards against: get() of a result after shutdown() started a new Ray (ray.get's auto-init) and
     left it running. It raises instead, and Ray stays down."""

@@ -190,6 +190,7 @@ def test_death_while_peer_blocked_in_collective(gang):
     _restart_and_check(gang, set(ports))
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_timeout_names_late_ranks(gang):
     t0 = time.monotonic()
     with pytest.raises(CallTimeoutError, match=r"slow_on\(\) on group 'f': rank\(s\) \[1\] did not answer within 1s") as info:
@@ -199,6 +200,7 @@ def test_timeout_names_late_ranks(gang):
     assert gang.sleep(0)() == [0, 1]  # the gang is still usable afterwards
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_timeout_says_a_call_has_not_started(gang):
     # Rank 1 raises, rank 0 returns: the dispatcher's stuck check holds the next call for the
     # grace period (3 s), so that call is not on any rank when its 0.5 s timeout ends.
@@ -212,6 +214,7 @@ def test_timeout_says_a_call_has_not_started(gang):
     assert queued.get() == [0, 1]  # it still runs, in its turn
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_user_exception_keeps_its_type_and_names_rank(gang):
     with pytest.raises(KeyError, match="boom from rank 1") as info:
         gang.boom(1)()
@@ -262,6 +265,7 @@ def test_worker_died_error_reads_well_without_a_rank():
         "worker rank 1 of Model in group 'g' died (node 10.0.0.2)")
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_an_exception_pickle_cannot_rebuild_keeps_its_type_and_names_the_rank(gang):
     """Guards against: an exception whose __init__ takes two arguments came back as Ray's
     UnserializableException, naming neither rank nor method. It comes back as itself."""
@@ -272,6 +276,7 @@ def test_an_exception_pickle_cannot_rebuild_keeps_its_type_and_names_the_rank(ga
     assert gang.info()()  # the gang goes on
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_a_result_that_cannot_be_pickled_is_named_short(gang):
     """Guards against: an eager call whose result cannot be pickled raised Ray's 17 KB 'put value'
     report with ANSI codes; lazily, 32 characters naming nothing. Both now name the method,
@@ -287,6 +292,7 @@ def test_a_result_that_cannot_be_pickled_is_named_short(gang):
         assert "\x1b[" not in text and len(text) < 2500, text
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_twinkle_get_timeout_bounds_the_whole_list(gang):
     """Guards against: twinkle_ray.get([...], timeout=2) returned after 4.5 s: the timeout applied to
     each item. It bounds the whole wait."""

@@ -299,6 +299,7 @@ def test_killed_dispatcher_without_max_restarts_keeps_a_clear_error(runtime):
         g.get_value()()
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_a_call_made_while_another_thread_replaces_the_dispatcher_goes_to_the_new_one(runtime,
                                                                                      monkeypatch):
     """A proxy shared by threads: one thread's call is being prepared (split, put) when another

@@ -366,6 +366,7 @@ def test_execute_peer_from_another_gang(gangs):
     assert a.ask_peer(b)() == [0, 1, 2, 3]  # one answer each, unwrapped by collect="none"
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_remote_iterator_feeds_another_gang(gangs):
     _, b = gangs
     loader = Loader(10, 4, remote_group="a")  # one worker on group a's first device
@@ -403,6 +404,7 @@ def test_batch_too_small_raises_before_running(gangs):
         b.received(np.arange(1))
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_lazy_batch_too_small_raises_on_get(gangs):
     a, b = gangs
     loader = Loader(1, 1, remote_group="a")
