@@ -15,7 +15,8 @@ Run here, verbatim:
 - its Ray Jobs section: terminal 1 (the head) in the background, terminal 2 (``ray job
   submit``, then ``twinkle-ray topology --address 127.0.0.1:6379``) to its end;
 - README.md's API snippet, in a fresh process on this 2-core machine;
-- the pure blocks (a groups file and its plan, ``--help`` of the CLI and the examples).
+- the pure blocks (a groups file and its plan, ``--help`` of the CLI and the examples);
+- docs/routing.md's Python blocks: the rule's examples are true of the code.
 
 The head and Serve run in a private network namespace (``unshare -rn``: only a loopback
 interface, brought up first), so the docs' default ports (6379, 8000, 8265, ...) cannot clash
@@ -403,3 +404,19 @@ def test_pure_doc_commands_run_as_written(tmp_path, venv):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "usage: twinkle-ray demo" in out.stdout and "usage: python -m bench" in out.stdout
     assert "group 'sampler': 2 worker(s)" in out.stdout, out.stdout[-2000:]
+
+
+# ==========================================================================================
+# docs/routing.md's Python blocks run as written: the rule's examples are true of the code.
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "routing.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S)
+RUNNABLE = [b for b in BLOCKS if "trainer." not in b]  # the one sketch needs gangs
+
+
+def test_the_page_has_runnable_examples():
+    assert len(RUNNABLE) >= 3
+
+
+@pytest.mark.parametrize("block", RUNNABLE, ids=[f"block{i}" for i in range(len(RUNNABLE))])
+def test_each_example_runs(block):
+    exec(compile(block, str(PAGE), "exec"), {})
