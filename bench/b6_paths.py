@@ -10,8 +10,8 @@ both beside raw Ray (the driver submits to every worker and gets the values)
 on gangs of 1 to 32 workers, in balanced orders (:func:`bench.timing.compare_many`),
 tells how much of B6's per-worker cost that ownership round trip is.
 Printed: medians (ms) per size, least-squares slopes (ms per worker), and
-each path's extra slope beyond raw Ray (DESIGN 10: <= 0.1 ms per worker).
-BENCHMARKS.md (tenth session) has a run's figures.
+each path's extra slope beyond raw Ray (target: <= 0.1 ms per worker). What its runs
+decided: docs/decisions/ (git log -p BENCHMARKS.md has the runs themselves).
 """
 
 from __future__ import annotations

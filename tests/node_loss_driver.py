@@ -1,6 +1,6 @@
 """Node-loss scenarios on one ray.cluster_utils.Cluster, run in turn by one run of this script.
 
-Run by tests/test_node_loss.py as its own Ray driver (a subprocess: the cluster is a Ray of its
+Run by tests/test_failures.py (its node-loss tests) as its own Ray driver (a subprocess: the cluster is a Ray of its
 own, apart from the test session's). The head holds no gang resources; two worker nodes hold 2
 CPUs each, so a 4-worker gang has 2 ranks on each. Before each scenario a node is added where
 the last one left only one worker node. Prints one ``RESULT {json}`` line: the cluster's address
@@ -26,49 +26,19 @@ import time
 
 import ray
 from ray.cluster_utils import Cluster
+from workers import Collective, Valued
 
 import twinkle_ray as twinkle
-from twinkle_ray import DeviceGroup, WorkerDiedError, get_rank, remote_class, remote_function
+from twinkle_ray import DeviceGroup, WorkerDiedError, remote_class, remote_function
 
 GROUP = "job/trainer"  # a '/' in the group name, as DeviceGroup allows
 HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 
 
-class _Stateful:
-    def __init__(self):
-        self.value = 0
-
+class _Stateful(Valued, Collective):
     @remote_function(dispatch="all", collect="none")
     def where(self) -> str:
         return ray.get_runtime_context().get_node_id()
-
-    @remote_function(dispatch="all", collect="none")
-    def set_value(self, v: int) -> None:
-        self.value = v * 10 + get_rank()
-
-    @remote_function(dispatch="all", collect="none")
-    def get_value(self) -> int:
-        return self.value
-
-    @remote_function(dispatch="all", collect="first")
-    def allreduce(self) -> float:
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor([1.0])
-        dist.all_reduce(t)
-        return t.item()
-
-    @remote_function(dispatch="all", collect="none")
-    def sleep(self, seconds: float) -> int:
-        time.sleep(seconds)
-        return get_rank()
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = state["value"]
 
 
 @remote_class(max_restarts=2)

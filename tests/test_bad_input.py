@@ -138,7 +138,7 @@ def test_busy_cluster_times_out_and_leaves_nothing(runtime, caplog, monkeypatch)
 
 
 def test_a_second_initialize_cannot_change_the_settings(runtime):
-    """Reported: a second initialize() silently ignored lazy_collect, seed, the timeouts,
+    """Guards against: a second initialize() silently ignored lazy_collect, seed, the timeouts,
     namespace and address. It can add groups; asking for other settings raises, naming each."""
     runtime.initialize(groups=[DeviceGroup("s1", 1, "cpu")], seed=7)
     runtime.initialize(groups=[DeviceGroup("s2", 1, "cpu")])  # defaults: nothing asked
@@ -160,8 +160,9 @@ def test_a_second_initialize_cannot_change_the_settings(runtime):
     assert sorted(current().groups) == ["s1", "s2"]
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_get_after_shutdown_raises_and_starts_no_ray(runtime):
-    """Reported: get() of a result after shutdown() started a new Ray (ray.get's auto-init) and
+    """Guards against: get() of a result after shutdown() started a new Ray (ray.get's auto-init) and
     left it running. It raises instead, and Ray stays down."""
     import subprocess
     import sys

@@ -227,6 +227,7 @@ def test_lazy_input_to_a_balanced_call(runtime):
     assert s.square1(s.square1(list(range(5))))() == [x ** 4 for x in range(5)]  # balanced -> balanced
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_length_mismatch_names_method_and_lengths(runtime):
     runtime.initialize(groups=[DeviceGroup("bal", 2, "cpu")])
     s = Squarer(remote_group="bal")
@@ -257,6 +258,7 @@ class OneWorker:
         return xs
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_balance_on_an_execute_first_gang_is_refused(runtime):
     runtime.initialize(groups=[DeviceGroup("one", 2, "cpu")])
     g = OneWorker(remote_group="one")
@@ -265,6 +267,7 @@ def test_balance_on_an_execute_first_gang_is_refused(runtime):
         g.f([1, 2])
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_a_call_after_a_balanced_call_sees_every_chunk(runtime):
     runtime.initialize(groups=[DeviceGroup("bal", 2, "cpu")])
     s = Squarer(remote_group="bal")
@@ -326,7 +329,7 @@ class Picky:
 
 @pytest.mark.slow
 def test_a_raising_chunk_fails_the_call_and_leaves_the_gang_up(runtime):
-    """Reported: a raising chunk tore the whole gang down: the stuck check took the other
+    """Guards against: a raising chunk tore the whole gang down: the stuck check took the other
     data-parallel group, running its own chunk, for a rank stuck in a collective. A balanced
     call's groups share no collective: no stuck check, the error raised with its type, the
     gang goes on."""

@@ -31,7 +31,8 @@ def groups_file(tmp_path) -> Path:
 
 def _cli_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    # as a user runs it (docs/deploy.md): the CLI itself keeps a loopback attach on loopback
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
     env.setdefault("RAY_AUTH_MODE", "token")
     env.pop("RAY_ADDRESS", None)
     return env
@@ -49,8 +50,9 @@ def test_help_reads_well():
         assert words in out.stdout
     topo = run_cli("topology", "--help")
     assert topo.returncode == 0 and "usage: twinkle-ray topology" in topo.stdout
-    demo = run_cli("demo", "--help")  # the quick start's own options
+    demo = run_cli("demo", "--help")  # the quick start's own options, under the demo's name
     assert demo.returncode == 0 and "--steps" in demo.stdout
+    assert demo.stdout.startswith("usage: twinkle-ray demo "), demo.stdout[:200]
     assert run_cli("--version").stdout.startswith("twinkle-ray ")
 
 
@@ -89,6 +91,7 @@ def test_topology_on_ray_and_of_running_gangs(runtime, groups_file):
             return 1
 
     address = ray.get_runtime_context().gcs_address
+    assert address.startswith("127.0.0.1:")  # a loopback head, attached without any env var
     out = run_cli("topology", str(groups_file), "--address", address, "--namespace", "twinkle-cli")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "twinkle_ray topology (ray mode)" in out.stdout

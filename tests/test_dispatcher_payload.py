@@ -71,6 +71,7 @@ def _check(trace: str, workers: set[int], dispatcher: int) -> None:
         assert dispatcher not in where, f"the dispatcher (pid {dispatcher}) unpickled the {what}"
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_the_dispatcher_never_unpickles_the_class_or_its_arguments(runtime, tmp_path):
     trace = str(tmp_path)
     runtime.initialize(groups=[DeviceGroup("g", 2, "cpu")])
@@ -92,6 +93,7 @@ def test_a_rebuild_gives_the_new_workers_the_same_class_and_arguments(runtime, t
     _check(trace, after, _dispatcher_pid(model.label))
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_a_gang_found_by_name_has_its_class(runtime, tmp_path):
     """GangProxy.lookup: the dispatcher hands out a proxy of the gang's class (it resolves the
     class only then, for that caller, and never the constructor's arguments); calls through it
@@ -108,6 +110,7 @@ def test_a_gang_found_by_name_has_its_class(runtime, tmp_path):
         found.nope  # noqa: B018 (the proxy knows the class's methods)
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_a_class_the_workers_cannot_import_is_named_with_the_fix(runtime, tmp_path, monkeypatch):
     """A module only the driver can import: the start fails in the workers (they unpickle the
     class), naming the gang, the rank, the class, Python's error and the fix; nothing is left."""
@@ -146,8 +149,9 @@ class Payload:
         self.tag = Traced(trace_dir, "payload")
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_a_large_argument_of_a_users_class_never_reaches_the_dispatcher(runtime, tmp_path):
-    """Reported: an 8 MB dataclass argument was unpickled by the dispatcher (its size was
+    """Guards against: an 8 MB dataclass argument was unpickled by the dispatcher (its size was
     guessed at 64 bytes: no ``nbytes``). The caller measures each argument's pickle: 8 MB goes
     to the object store, and only the ranks unpickle it."""
     trace = str(tmp_path)

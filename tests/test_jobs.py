@@ -216,6 +216,7 @@ def test_rlhf_fsdp_hf_quick_runs_unchanged_under_ray_job_submit(head, ray_sessio
     assert ray.is_initialized() and ray.get_runtime_context().gcs_address == session_gcs
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_head_node_processes_are_ours(head):
     """Sanity for the cleanup: the cluster's gcs and raylet are in the group we will kill."""
     cmds = [cmd for _, cmd in head.processes()]

@@ -99,6 +99,7 @@ def test_missing_megatron_or_mesh_raise_clearly(tmp_path, monkeypatch):
         MegatronTrainer(str(tmp_path), device_mesh=DeviceMesh.from_sizes(tp_size=2, device_type="cpu"))
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 @needs_megatron
 def test_a_mesh_larger_than_the_gang_is_refused(tmp_path):
     """In-process (no torch.distributed: a world of 1) with a 2-rank mesh: refused before any Megatron set-up."""

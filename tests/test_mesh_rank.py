@@ -34,7 +34,7 @@ def test_worker_mesh_agrees_with_slice_dp(monkeypatch, sizes, gpus_per_worker):
                     gpus_per_worker=gpus_per_worker)
     for i in range(n):
         as_worker(monkeypatch, i, n, gpus_per_worker)
-        assert get_rank() == Platform.get_rank() == i  # the gang rank (DESIGN 2)
+        assert get_rank() == Platform.get_rank() == i  # the gang rank (get_rank() inside a worker)
         assert Platform.get_mesh_rank(mesh.world_size) == i * gpus_per_worker
         assert mesh.data_rank == mesh.get_data_rank_from_global_rank(i * gpus_per_worker)
         s = mesh.get_slice(12)
@@ -42,7 +42,7 @@ def test_worker_mesh_agrees_with_slice_dp(monkeypatch, sizes, gpus_per_worker):
 
 
 def test_vllm_tp2_mesh_worker_one(monkeypatch):
-    # the reported case: dp=2, tp=2, 2 GPUs per worker; worker 1 was sent items [4..7] of 8
+    # the case that guards the mapping: dp=2, tp=2, 2 GPUs per worker; worker 1 was sent items [4..7] of 8
     mesh = DeviceMesh.from_sizes(dp_size=2, tp_size=2)
     as_worker(monkeypatch, 1, 2, 2)
     assert (mesh.data_rank, mesh.dp_rank, mesh.tp_rank) == (1, 1, 0)

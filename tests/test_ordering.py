@@ -355,7 +355,7 @@ class SlowToRebuild:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_call_behind_one_routed_from_a_producer_being_rebuilt_waits(runtime, tmp_path):
-    """Reported: a call waiting more than 60 s for a routed producer being rebuilt was
+    """Guards against: a call waiting more than 60 s for a routed producer being rebuilt was
     overtaken by its caller's next call. The call holds its turn while the producer's reply
     waits for the rebuild; the caller's next call runs after it, however long that takes."""
     import os

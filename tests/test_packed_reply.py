@@ -1,4 +1,4 @@
-"""A large gang's lazy call replies with one ref, not one per rank (DESIGN 7: flat in the size).
+"""A large gang's lazy call replies with one ref, not one per rank (docs/decisions/packed-replies.md: flat in the size).
 
 Past ``PACK_REFS_OVER`` refs (outputs plus length records), the dispatcher packs a lazy call's
 refs into one object it owns (``Reply.packed``); every reader unpacks it: the caller's

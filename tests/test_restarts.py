@@ -1,23 +1,39 @@
-"""Death classification, one restart policy, rebuild failures that say why, restart metrics.
+"""Restarts: how a gang is rebuilt after a failure, and what bounds it.
 
-The classifier reads Ray's structured fields only (``RayActorError.actor_id``, ``.preempted``,
-ActorUnavailableError as an outage) against the dispatcher's table of its workers; a '/' in a
-group name is just a name. Rebuilds are bounded by the gang's RestartPolicy and counted in
-``twinkle_gang_restarts_total``.
+- death classification (Ray's structured fields only), one restart policy, rebuild failures
+  that say why, restart metrics;
+- the dispatcher killed: rebuilt under its name with the saved state (``max_restarts``), or a
+  clear error; outputs lost with their dispatcher named so;
+- one restart budget per gang, kept across dispatcher respawns;
+- ``abort()`` during ``restart()`` never starts a second build; one build at a time;
+- a rebuild re-probes its placement (a bundle moved to another node);
+- gang health: no stuck check where no rank can be stuck, a rebuild bounded by
+  ``start_timeout_s``, a rebuilding Serve replica not healthy, proxy copies that find a
+  respawned dispatcher.
+
+Worker shared classes: ``workers.py``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import textwrap
+import threading
 import time
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from test_metrics import _metrics_url, _wait_for
+from workers import Valued
 
+from conftest import NAMESPACE, live_actors
 from twinkle_ray import DeviceGroup, WorkerDiedError, get_rank, remote_class, remote_function
 from twinkle_ray.runtime.errors import (
     DIED,
@@ -27,7 +43,10 @@ from twinkle_ray.runtime.errors import (
     GangRebuildError,
     classify_death,
 )
+from twinkle_ray.runtime.health import DeathRecord
+from twinkle_ray.runtime.rebuild import Rebuilder
 from twinkle_ray.runtime.restarts import RestartPolicy
+from twinkle_ray.serve import replica_bundles
 
 LIMIT_S = 30.0
 TABLE = {"aa01": (0, "node-a", "10.0.0.1"), "bb02": (1, "node-b", "10.0.0.2")}
@@ -224,37 +243,13 @@ def test_an_argument_the_ranks_cannot_unpickle_is_named_and_never_stalls_the_nex
 
 
 # ---------------------------------------------------------------------------- the dispatcher
-class _Valued:
-    def __init__(self):
-        self.value = 0
-
-    @remote_function(dispatch="all", collect="none")
-    def set_value(self, v: int) -> None:
-        self.value = v * 10 + get_rank()
-
-    @remote_function(dispatch="all", collect="none")
-    def get_value(self) -> int:
-        return self.value
-
-    @remote_function(dispatch="all", collect="none")
-    def sleep(self, seconds: float) -> int:
-        time.sleep(seconds)
-        return get_rank()
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = state["value"]
-
-
 @remote_class(max_restarts=1)
-class Respawned(_Valued):
+class Respawned(Valued):
     pass
 
 
 @remote_class()
-class Mortal(_Valued):
+class Mortal(Valued):
     pass
 
 
@@ -304,6 +299,7 @@ def test_killed_dispatcher_without_max_restarts_keeps_a_clear_error(runtime):
         g.get_value()()
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_a_call_made_while_another_thread_replaces_the_dispatcher_goes_to_the_new_one(runtime,
                                                                                      monkeypatch):
     """A proxy shared by threads: one thread's call is being prepared (split, put) when another
@@ -355,7 +351,7 @@ def test_a_call_made_while_another_thread_replaces_the_dispatcher_goes_to_the_ne
 
 
 @remote_class(max_restarts=1)
-class Keeper(_Valued):
+class Keeper(Valued):
     @remote_function(dispatch="all", collect="none")
     def take(self, values: list) -> list:
         return values
@@ -441,3 +437,551 @@ def test_an_output_made_before_a_dispatcher_respawn_is_named_lost_with_that_disp
         assert "Keeper.get_value()" in str(err) and str(err).startswith("the dispatcher of Keeper"), err
         assert "Call Keeper.get_value() again" in str(err) and "torn down" not in str(err), err
     assert g.get_value()() == [0, 0]  # the rebuilt gang still serves
+
+
+# ==========================================================================================
+# One restart budget per gang, kept across dispatcher respawns (issue 28, item 2).
+#
+# A gang's ``max_restarts`` counts every rebuild: the dispatcher's automatic rebuilds after a
+# worker died and the creator's respawns of a dead dispatcher. A respawned dispatcher starts
+# with the history of the rebuilds before it, so killing the dispatcher never refills the budget.
+BUDGET_WAIT_S = 60.0
+
+
+@remote_class(max_restarts=1)
+class Once:
+    @remote_function(dispatch="all", collect="none")
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@remote_class(max_restarts=2)
+class Twice(Once):
+    pass
+
+
+def _settle(g, want=(GangRebuildError, WorkerDiedError), wait_s: float = BUDGET_WAIT_S):
+    """Call ``g.pid()`` until it answers (returns the pids) or raises one of ``want`` that is
+    not a plain death seen before the rebuild (returns the error)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return g.pid()()
+        except want as e:
+            if isinstance(e, GangRebuildError) or e.kind == "dispatcher" or "not rebuilt" in str(e):
+                return e
+        assert time.monotonic() < deadline, "the gang neither answered nor stayed down"
+        time.sleep(0.2)
+
+
+def _kill_worker(g, rank: int = 0) -> None:
+    os.kill(g.pid()()[rank], signal.SIGKILL)
+
+
+def _kill_dispatcher(g) -> None:
+    ray.kill(ray.get_actor(g.label, namespace=NAMESPACE), no_restart=True)
+    deadline = time.monotonic() + BUDGET_WAIT_S
+    while True:  # the creator's proxy sees the death on its next call
+        try:
+            g.pid()()
+        except WorkerDiedError as e:
+            assert e.kind == "dispatcher", e
+            return
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_respawn_spends_the_budget_a_worker_death_would_use(runtime):
+    runtime.initialize(groups=[DeviceGroup("b1", 2, "cpu")])
+    g = Once(remote_group="b1")
+    _kill_dispatcher(g)
+    assert len(g.pid()()) == 2  # respawned: the one restart max_restarts=1 allows
+    _kill_worker(g)
+    err = _settle(g)
+    assert isinstance(err, GangRebuildError), err
+    assert "restart budget is spent" in str(err) and "max_restarts=1" in str(err), err
+    desc = g.topology()
+    assert desc["restarts"] == 1 and desc["dead"] and not desc["rebuilding"], desc  # the respawn
+
+
+@pytest.mark.slow
+def test_a_dispatcher_death_after_a_rebuild_finds_the_budget_spent(runtime):
+    runtime.initialize(groups=[DeviceGroup("b2", 2, "cpu")])
+    g = Once(remote_group="b2")
+    _kill_worker(g, 1)
+    got = _settle(g)
+    assert isinstance(got, list) and len(got) == 2, got  # the one automatic rebuild
+    _kill_dispatcher(g)
+    with pytest.raises(WorkerDiedError, match=r"its dispatcher died and is not rebuilt \(its "
+                                              r"restart budget is spent: max_restarts=1\)"):
+        g.pid()()
+
+
+@pytest.mark.slow
+def test_rebuild_respawn_rebuild_is_two_restarts_not_three(runtime):
+    runtime.initialize(groups=[DeviceGroup("b3", 2, "cpu")])
+    g = Twice(remote_group="b3")
+    _kill_worker(g, 1)
+    assert len(_settle(g)) == 2  # rebuild 1
+    _kill_dispatcher(g)
+    assert len(g.pid()()) == 2  # respawn: rebuild 2
+    _kill_worker(g, 0)
+    err = _settle(g)
+    assert isinstance(err, GangRebuildError), err
+    assert "restart budget is spent (2 automatic rebuild(s); max_restarts=2)" in str(err), err
+    assert g.topology()["restarts"] == 2  # the rebuild and the respawn, counted across it
+
+
+# ==========================================================================================
+# An abort() that arrives while restart() builds the gang never starts a second build.
+#
+# One build at a time (issue 28, item 2): whatever asks for a teardown while a build is under way,
+# exactly one set of workers exists afterwards and nothing is left behind.
+ABORT_WAIT_S = 60.0
+
+
+@remote_class(max_restarts=1)
+class SlowStart:
+    """Its constructor sleeps while ``marker`` exists: a rebuild that takes a while."""
+
+    def __init__(self, marker: str):
+        if os.path.exists(marker):
+            time.sleep(4.0)
+
+    @remote_function(dispatch="all", collect="none")
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _workers(label: str) -> list[str]:
+    return sorted(a["name"] for a in live_actors() if a.get("name", "").startswith(label + "/"))
+
+
+@pytest.mark.slow
+def test_abort_during_restart_leaves_one_set_of_workers(runtime, tmp_path):
+    marker = str(tmp_path / "slow")
+    runtime.initialize(groups=[DeviceGroup("ab", 2, "cpu")])
+    g = SlowStart(marker, remote_group="ab")
+    label = g.label
+    first = g.pid()()
+    open(marker, "w").close()  # from now on a build takes seconds
+    done: dict = {}
+
+    def restart():
+        try:
+            g.restart(timeout=ABORT_WAIT_S)
+            done["ok"] = True
+        except Exception as e:  # noqa: BLE001 — the test looks at it
+            done["error"] = e
+
+    t = threading.Thread(target=restart)
+    t.start()
+    deadline = time.monotonic() + ABORT_WAIT_S
+    while True:  # the restart's workers exist and their constructors run
+        names = [r["name"] for r in g.topology()["ranks"]]
+        if all(n and "#" in n for n in names):
+            break
+        assert time.monotonic() < deadline, names
+        time.sleep(0.1)
+    g.abort("the other side of a collective failed")  # while restart() builds
+    t.join(ABORT_WAIT_S)
+    assert not t.is_alive()
+    os.remove(marker)
+    pids = g.pid()()  # the gang answers, on one set of workers
+    assert len(pids) == 2 and not set(pids) & set(first), (pids, first)
+    desc = g.topology()
+    assert not desc["rebuilding"] and desc["dead"] is None, desc
+    # The restart was the one build: the abort found no collective to end (the gang was being
+    # built), so no build of it failed and no automatic rebuild was spent.
+    assert desc["rebuild_error"] is None and desc["restarts"] == 0, desc
+    time.sleep(1.0)  # a second build, if any, would have made its actors by now
+    names = _workers(label)
+    assert names == sorted(r["name"] for r in desc["ranks"]), names
+    assert "ok" in done, done
+
+
+# ==========================================================================================
+# A gang rebuild re-probes its placement (issue 20 item 5): node, devices and the rendezvous
+# address are read again on every (re)build, so a rebuild after a node loss starts where Ray
+# re-placed the group's bundles. On a 2-node ray.cluster_utils.Cluster in its own driver.
+MOVE = textwrap.dedent(
+    """
+    import json, os, time
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")  # a loaded machine starts slowly
+    import ray
+    from ray.cluster_utils import Cluster
+    import twinkle_ray as twinkle
+    from twinkle_ray import DeviceGroup, WorkerDiedError, remote_class, remote_function
+
+    @remote_class(max_restarts=1)
+    class W:
+        @remote_function(dispatch="all", collect="none")
+        def where(self):
+            import torch, torch.distributed as dist
+            t = torch.tensor([1.0]); dist.all_reduce(t)
+            return [ray.get_runtime_context().get_node_id(), os.environ["CUDA_VISIBLE_DEVICES"],
+                    os.environ["MASTER_ADDR"], t.item()]
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 0,
+                      "include_dashboard": False})
+    first = cluster.add_node(num_cpus=2, num_gpus=2)
+    try:
+        twinkle.initialize(address=cluster.address, placement_timeout_s=120,
+                           groups=[DeviceGroup("g", 2, "cuda")])
+        w = W(remote_group="g")
+        before = w.where()()
+        second = cluster.add_node(num_cpus=2, num_gpus=2)
+        cluster.remove_node(first)
+        deadline = time.monotonic() + 300
+        while True:  # calls fail until the gang is rebuilt on the new node
+            try:
+                after = w.where()()
+                break
+            except WorkerDiedError:
+                assert time.monotonic() < deadline, f"no rebuild: {w.topology()}"
+                time.sleep(0.5)
+        topo = w.topology()
+        print("RESULT " + json.dumps({
+            "first": first.node_id, "second": second.node_id, "before": before, "after": after,
+            "generation": topo["generation"], "master_addr": topo["master_addr"],
+            "ranks": [[r["node_id"], r["devices"], r["node_ip"]] for r in topo["ranks"]]}))
+        twinkle.shutdown()
+        ray.shutdown()
+    finally:
+        cluster.shutdown()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(560)
+def test_rebuild_follows_a_bundle_moved_to_another_node():
+    """Issue 20 item 5: the node holding a gang is lost, Ray re-places its placement group on a
+    new node, and the automatic rebuild starts there (node, devices, rendezvous re-probed)."""
+    from test_runtime_layouts import run_script
+
+    out, _ = run_script(MOVE, timeout=500)
+    first, second = out["first"], out["second"]
+    assert [r[0] for r in out["before"]] == [first, first]
+    assert [r[0] for r in out["after"]] == [second, second]
+    assert sorted(r[1] for r in out["after"]) == ["0", "1"]
+    assert {r[3] for r in out["after"]} == {2.0}  # the new world's all-reduce
+    assert [r[0] for r in out["ranks"]] == [second, second]
+    assert out["generation"] >= 2
+    assert out["master_addr"] == "127.0.0.1"  # one node: loopback rendezvous
+
+
+# ==========================================================================================
+# The rebuild room starts one build at a time: a failure reported while a build is under way
+# (a restart() or an automatic rebuild) ends that build before the next starts (issue 28, item 2).
+#
+# Plain asyncio on the Rebuilder with a stand-in builder: no Ray needed.
+class SlowBuilder:
+    """Counts builds under way at once; each takes ``build_s``."""
+
+    def __init__(self, max_restarts: int, build_s: float = 0.2):
+        spec = SimpleNamespace(max_restarts=max_restarts, restart_window_s=None, restart_times=(),
+                               restarts=0, label="g/C", metrics=False, start_timeout_s=None,
+                               group=SimpleNamespace(name="g"), cls_name="C")
+        self.state = SimpleNamespace(spec=spec, stopped=False, label="g/C", actor_ids=list)
+        self.deaths = DeathRecord()
+        self.build_s = build_s
+        self.now = self.most = self.finished = 0
+
+    async def kill(self, graceful: bool = False) -> None:
+        pass
+
+    async def start_within(self, limit) -> None:
+        self.now += 1
+        self.most = max(self.most, self.now)
+        try:
+            await asyncio.sleep(self.build_s)
+        finally:
+            self.now -= 1
+        self.finished += 1
+        self.deaths.revived()
+
+
+def _rebuilder(max_restarts: int) -> tuple[Rebuilder, SlowBuilder]:
+    builder = SlowBuilder(max_restarts)
+    rebuilds = Rebuilder(builder)
+
+    async def placed():
+        return None
+
+    rebuilds._placement_ready = placed
+    return rebuilds, builder
+
+
+def _death() -> WorkerDiedError:
+    return WorkerDiedError("g", "C", 0, None, "killed")
+
+
+def test_a_failure_during_restart_ends_that_build_first():
+    async def main():
+        rebuilds, builder = _rebuilder(max_restarts=1)
+        restart = asyncio.ensure_future(rebuilds.restart())
+        await asyncio.sleep(0.05)  # the restart's build is under way
+        await rebuilds.fail(_death())  # an automatic rebuild follows it
+        await restart
+        await rebuilds.settled()
+        return builder, rebuilds
+
+    builder, rebuilds = asyncio.run(main())
+    assert (builder.most, builder.finished, rebuilds.restarts) == (1, 1, 1)
+    assert builder.deaths.error is None
+
+
+def test_a_failure_past_the_budget_during_a_rebuild_ends_it_and_the_gang_stays_down():
+    async def main():
+        rebuilds, builder = _rebuilder(max_restarts=1)
+        await rebuilds.fail(_death())  # the one automatic rebuild
+        await asyncio.sleep(0.05)
+        await rebuilds.fail(_death())  # its budget is spent: it ends, nothing more is built
+        await rebuilds.settled()
+        return builder
+
+    builder = asyncio.run(main())
+    assert (builder.most, builder.finished) == (1, 0)
+    assert "restart budget is spent" in str(builder.deaths.error)
+
+
+# ==========================================================================================
+# Gang health (issue 27, items 3-5): no stuck check where no rank can be stuck, a rebuild with a
+# deadline, and proxy copies that find a respawned dispatcher.
+#
+# 3. The stuck check only counts ranks running the *same* call, and never runs on a gang without
+#    torch.distributed (no collective can block there).
+# 4. A rebuild (automatic or ``restart()``) is bounded by ``start_timeout_s``: a constructor that
+#    hangs on the rebuilt generation ends in GangRebuildError, what was half built is killed, and
+#    ``restart()`` ends a hung rebuild; a rebuilding Serve replica is not healthy.
+# 5. A GangProxy pickled into another gang's worker looks its gang up again by name once its
+#    dispatcher was respawned by the creator's proxy.
+WAIT_S = 150.0  # a guard against hangs on a loaded 2-core machine, not a performance bound
+
+
+class _Ranks:
+    @remote_function(dispatch="all", collect="none")
+    def pid(self) -> int:
+        return os.getpid()
+
+    @remote_function(dispatch="all", collect="none")
+    def fail_or_work(self, fail_rank: int, work_s: float) -> int:
+        """``fail_rank`` raises at once; the other ranks work ``work_s`` seconds."""
+        if get_rank() == fail_rank:
+            raise KeyError(f"bad item on rank {fail_rank}")
+        time.sleep(work_s)
+        return get_rank()
+
+    @remote_function(dispatch="all", collect="none")
+    def slow_on(self, rank: int, seconds: float) -> int:
+        if get_rank() == rank:
+            time.sleep(seconds)
+        return get_rank()
+
+
+@remote_class(distributed=False)
+class Reward(_Ranks):
+    """Like a reward worker or a vLLM sampler: no torch.distributed in the gang."""
+
+
+# A stuck check 1 s after a failure (the default is 3 s): the test's busy rank sleeps 3x that.
+@remote_class(stuck_grace_s=1.0)
+class Trainer(_Ranks):
+    """Two ranks with torch.distributed (gloo)."""
+
+
+def _until(what: str, check, wait_s: float = WAIT_S):
+    deadline = time.monotonic() + wait_s
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what}: not seen within {wait_s:g}s"
+        time.sleep(0.2)
+
+
+# ---------------------------------------------------------------------------- 3. stuck check
+@pytest.mark.slow
+def test_no_stuck_check_in_a_gang_without_torch_distributed(runtime):
+    runtime.initialize(groups=[DeviceGroup("rw", 2, "cpu")])
+    g = Reward(remote_group="rw")
+    pids = g.pid()()
+    with pytest.raises(KeyError, match="bad item on rank 0"):
+        g.fail_or_work(0, 6.0)()  # rank 1 works on past the grace period: it is not stuck
+    assert g.pid()() == pids  # the same gang, not torn down
+    desc = g.topology()
+    assert (desc["dead"], desc["restarts"]) == (None, 0)
+
+
+@pytest.mark.slow
+def test_ranks_on_an_earlier_call_are_not_stuck(runtime):
+    runtime.initialize(groups=[DeviceGroup("tr", 2, "cpu")])
+    g = Trainer(remote_group="tr")
+    pids = g.pid()()
+    earlier = g.slow_on(1, 3.0)  # rank 1 is busy with this call past the grace period...
+    with pytest.raises(KeyError, match="bad item on rank 0"):
+        g.fail_or_work(0, 0.0)()  # ...while rank 0 raises on the next one
+    assert earlier() == [0, 1]
+    assert g.pid()() == pids  # no GangStuckError: rank 1 never ran the failed call stuck
+    assert g.topology()["dead"] is None
+
+
+# ---------------------------------------------------------------------------- 4. rebuild deadline
+@remote_class(max_restarts=1, distributed=False)  # no torch to import: a quick first start
+class HangsOnRebuild:
+    """Starts once; a rebuilt rank 1 hangs in its constructor while ``marker`` exists (and says
+    so by creating ``marker + '.hung'``)."""
+
+    def __init__(self, marker: str):
+        if get_rank() == 1 and os.path.exists(marker):
+            open(marker + ".hung", "w").close()
+            time.sleep(3600)
+
+    @remote_function(dispatch="all", collect="none")
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _kill_rank(g, rank: int) -> None:
+    os.kill(g.pid()()[rank], signal.SIGKILL)
+
+
+def _workers_of(label: str) -> list[str]:
+    return [a["name"] for a in live_actors() if (a.get("name") or "").startswith(label + "/")]
+
+
+@pytest.mark.slow  # a rebuild left to its deadline (start_timeout_s, which also bounds the first start)
+def test_a_hung_rebuild_ends_in_gang_rebuild_error_and_restart_brings_it_back(runtime, tmp_path):
+    marker = str(tmp_path / "hang")
+    # The rebuild waits this out: 20 s, still ~10x a no-torch gang's start on a loaded machine.
+    runtime.initialize(groups=[DeviceGroup("hr", 2, "cpu")], start_timeout_s=20)
+    g = HangsOnRebuild(marker, remote_group="hr")
+    label = g.topology()["label"]
+    open(marker, "w").close()  # the rebuilt rank 1 will hang
+    _kill_rank(g, 0)
+    desc = _until("the rebuild's end", lambda: (d := g.topology())["rebuild_error"] and d)
+    assert not desc["rebuilding"] and os.path.exists(marker + ".hung")
+    with pytest.raises(GangRebuildError) as info:
+        g.pid()()
+    err = str(info.value)
+    assert "the constructor of rank(s) [1] did not finish within start_timeout_s=20s" in err, err
+    assert "worker rank 0 of HangsOnRebuild in group 'hr' died" in err  # and the death it followed
+    _until("the half-built workers killed", lambda: not _workers_of(label), 30)
+    os.remove(marker)
+    g.restart(timeout=WAIT_S)
+    assert len(set(g.pid()())) == 2
+
+
+@pytest.mark.slow
+def test_restart_ends_a_hung_rebuild(runtime, tmp_path):
+    marker = str(tmp_path / "hang")
+    runtime.initialize(groups=[DeviceGroup("hr2", 2, "cpu")], start_timeout_s=600)
+    g = HangsOnRebuild(marker, remote_group="hr2")
+    open(marker, "w").close()
+    _kill_rank(g, 1)
+    _until("the rebuilt rank 1 hanging", lambda: os.path.exists(marker + ".hung"))
+    assert g.topology()["rebuilding"]
+    os.remove(marker)
+    g.restart(timeout=60)  # ends the hung rebuild and builds afresh
+    assert len(set(g.pid()())) == 2
+    desc = g.topology()
+    assert (desc["dead"], desc["rebuilding"]) == (None, False)
+
+
+REPLICA_GROUP = DeviceGroup("replica/h", 2, "cpu")
+
+
+@ray.remote(num_cpus=1)
+class HangingReplica:
+    def __init__(self, marker: str):
+        from twinkle_ray.serve import ReplicaGang
+
+        self.gang = ReplicaGang(REPLICA_GROUP, HangsOnRebuild, marker, max_rebuilds=1)
+
+    async def health(self) -> str:
+        try:
+            await self.gang.check_health(timeout=2)
+            return "ok"
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+
+    def kill(self, rank: int) -> None:
+        _kill_rank(self.gang.proxy, rank)
+
+    def rebuilding(self) -> bool:
+        return self.gang.rebuilding
+
+    def shutdown(self) -> None:
+        import twinkle_ray
+
+        twinkle_ray.shutdown()
+
+
+@pytest.mark.slow
+def test_a_rebuilding_replica_is_not_healthy(ray_session, tmp_path):
+    marker = str(tmp_path / "hang")
+    pg = placement_group(replica_bundles(REPLICA_GROUP), strategy=REPLICA_GROUP.strategy)
+    ray.get(pg.ready(), timeout=60)
+    r = HangingReplica.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=0)).remote(marker)
+    try:
+        assert ray.get(r.health.remote()) == "ok"
+        open(marker, "w").close()
+        ray.get(r.kill.remote(1))
+        _until("the rebuilt rank 1 hanging", lambda: os.path.exists(marker + ".hung"))
+        health = ray.get(r.health.remote())
+        assert ray.get(r.rebuilding.remote())
+        assert health.startswith("GangUnavailable: replica not ready: its gang on group "
+                                 "'replica/h' is being rebuilt"), health
+    finally:
+        ray.get(r.shutdown.remote())
+        ray.kill(r)
+        remove_placement_group(pg)
+
+
+# ---------------------------------------------------------------------------- 5. proxy copies
+@remote_class(max_restarts=1, distributed=False)  # no torch: its respawn starts sooner
+class Served(_Ranks):
+    pass
+
+
+@remote_class(distributed=False)
+class Holder:
+    """A worker of another gang holding a pickled proxy of the Served gang."""
+
+    def __init__(self, gang):
+        self.gang = gang
+
+    @remote_function(dispatch="all", collect="first")
+    def ask(self):
+        try:
+            return self.gang.pid()()
+        except Exception as e:  # returned, so the test sees type and text
+            return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.slow
+def test_a_proxy_copy_finds_the_respawned_dispatcher(runtime):
+    runtime.initialize(groups=[DeviceGroup("sv", 2, "cpu"), DeviceGroup("hd", 1, "cpu")])
+    g = Served(remote_group="sv")
+    holder = Holder(g, remote_group="hd")
+    assert len(holder.ask()()) == 2
+    label = g.topology()["label"]
+    ray.kill(ray.get_actor(label, namespace=NAMESPACE), no_restart=True)
+
+    def creator_sees_death():
+        try:
+            g.pid()()
+        except WorkerDiedError as e:
+            return e
+        return None
+
+    assert _until("the dispatcher's death", creator_sees_death).kind == "dispatcher"
+    seen = holder.ask()()  # the copy's call meets the dead dispatcher
+    assert seen.startswith("WorkerDiedError: the dispatcher of Served in group 'sv' died"), seen
+    pids = g.pid()()  # the creator's proxy respawns the dispatcher and the gang
+    assert len(pids) == 2
+    assert holder.ask()() == pids  # the copy looked the gang up again by name
+    assert g.pid()() == pids

@@ -214,8 +214,8 @@ def test_a_routed_value_is_what_fetching_and_passing_it_gives(gangs, shape, seed
         assert same(got, want), (rank, got, want)
 
 
-def test_the_reported_defect_a_lazy_result_in_a_dict(gangs):
-    """Reported: ``trainer.step({"rollouts": sampler_out, "adv": adv})`` with slice_dp sliced
+def test_a_lazy_result_in_a_dict_is_cut_like_the_list_beside_it(gangs):
+    """Guards against: ``trainer.step({"rollouts": sampler_out, "adv": adv})`` with slice_dp sliced
     the plain list and handed every rank the whole LazyResult object: 8 rollouts paired with 4
     advantages. Now both keys are cut by the data rank."""
     sampler, trainer = gangs["dp4"], gangs["gpw2"]  # 4 sampler ranks, a dp=2 trainer
@@ -228,8 +228,8 @@ def test_the_reported_defect_a_lazy_result_in_a_dict(gangs):
         {"rollouts": rollouts[half:], "adv": list(range(half, len(rollouts)))}]
 
 
-def test_the_reported_defect_per_rank_scalars_keep_their_shape(gangs):
-    """Reported: per-rank ``{'rank': r, 'n': 16, 'sum': s}`` reached a consumer as
+def test_per_rank_scalars_keep_their_shape_routed_or_passed(gangs):
+    """Guards against: per-rank ``{'rank': r, 'n': 16, 'sum': s}`` reached a consumer as
     ``{'rank': [0], 'n': 16, 'sum': [120]}``: per-rank values wrapped, the equal one collapsed,
     the shape depending on the values. Now every per-rank value is one per rank, routed or
     passed."""

@@ -306,7 +306,7 @@ def test_routed_equals_fetched_then_sliced(gangs):
 
 
 def test_tuple_results_route_element_wise(gangs):
-    """Item 1, as reported: routed tuple results equal the fetched ones, element by element."""
+    """Routed tuple results equal the fetched ones, element by element."""
     dp, _, _ = gangs["dp"]  # 4 ranks, dp=4
     pairs, _, _ = gangs["gpw2"]  # 2 workers
     assert dp.p_pair()() == ([0, 10, 20, 30], [1, 11, 21, 31])
@@ -320,7 +320,7 @@ def test_tuple_results_route_element_wise(gangs):
 
 
 def test_dict_with_keys_of_different_lengths_routes_key_by_key(gangs):
-    """Review: a dict whose values differ in length is sliced key by key, as slice_dp splits the
+    """A dict whose values differ in length is sliced key by key, as slice_dp splits the
     fetched value, never handed whole to every data rank."""
     dp, _, _ = gangs["dp"]  # 4 ranks
     pairs, mesh, gpw = gangs["gpw2"]  # 2 workers, dp=2

@@ -183,8 +183,9 @@ def gangs(ray_session):
 
     twinkle_ray.shutdown()
     twinkle_ray.initialize(groups=[DeviceGroup("a", 4, "cuda"), DeviceGroup("b", 4, "cuda")])
-    a = Probe(device_mesh=DeviceMesh.from_sizes(dp_size=4), remote_group="a")
-    b = Probe(device_mesh=DeviceMesh.from_sizes(dp_size=2, tp_size=2), remote_group="b")
+    with twinkle_ray.start_together():  # both gangs start up at once: the module's set-up is shorter
+        a = Probe(device_mesh=DeviceMesh.from_sizes(dp_size=4), remote_group="a")
+        b = Probe(device_mesh=DeviceMesh.from_sizes(dp_size=2, tp_size=2), remote_group="b")
     yield a, b
     twinkle_ray.shutdown()
     actors, pgs = leftovers()
@@ -366,6 +367,7 @@ def test_execute_peer_from_another_gang(gangs):
     assert a.ask_peer(b)() == [0, 1, 2, 3]  # one answer each, unwrapped by collect="none"
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_remote_iterator_feeds_another_gang(gangs):
     _, b = gangs
     loader = Loader(10, 4, remote_group="a")  # one worker on group a's first device
@@ -403,6 +405,7 @@ def test_batch_too_small_raises_before_running(gangs):
         b.received(np.arange(1))
 
 
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
 def test_lazy_batch_too_small_raises_on_get(gangs):
     a, b = gangs
     loader = Loader(1, 1, remote_group="a")

@@ -144,7 +144,7 @@ def test_a_call_waiting_on_one_that_never_arrives_fails_and_never_overtakes(monk
 
 
 def test_a_long_wait_for_a_call_that_is_here_never_ends_in_going_ahead(monkeypatch):
-    # The defect: a call that waited 60 s (its predecessor held its turn, awaiting a producer
+    # Guards against: a call that waited 60 s (its predecessor held its turn, awaiting a producer
     # being rebuilt) went ahead of it. A predecessor that is here is waited for, however long.
     monkeypatch.setattr(sequencer, "TURN_MISSING_S", 0.05)
 

@@ -107,7 +107,7 @@ def test_a_block_that_raises_closes_its_gangs(runtime):
     assert current().gangs == []
 
 
-# ------------------------------------------------------------------ found by a review (1 worker)
+# ------------------------------------------------------------------ start-up limits (1 worker)
 @pytest.mark.slow
 def test_plain_construction_past_start_timeout_names_the_limit(runtime):
     runtime.initialize(groups=_groups(1), start_timeout_s=2)

@@ -71,7 +71,7 @@ def test_plain_arguments_round_trip_through_one_pickle():
 
 
 def test_a_routed_value_anywhere_in_the_arguments_is_a_slot():
-    """Defect: a LazyResult inside a dict reached the rank as a LazyResult object, whole. The
+    """Guards against: a LazyResult inside a dict reached the rank as a LazyResult object, whole. The
     pickler finds them wherever pickle walks: dicts, lists, tuples, dataclass fields, slots of
     a user's object, sets, keyword arguments; the same one twice is one slot."""
     x, y = Fake("x"), Fake("y")

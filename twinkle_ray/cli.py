@@ -165,6 +165,41 @@ def gangs_picture(gangs: list[dict], address: str) -> str:
     return "\n".join(lines)
 
 
+def _host(address: str) -> str:
+    """The host part of a Ray address (``HOST:PORT``, ``ray://HOST:PORT``, ``http://HOST:PORT``).
+
+    >>> _host("127.0.0.1:6379"), _host("ray://localhost:10001"), _host("http://[::1]:8265")
+    ('127.0.0.1', 'localhost', '::1')
+    """
+    rest = address.split("://", 1)[-1].split("/", 1)[0]
+    if rest.startswith("["):
+        return rest[1:].split("]", 1)[0]
+    return rest.rsplit(":", 1)[0] if rest.count(":") == 1 else rest
+
+
+def _loopback_ray(address: str) -> None:
+    """Attach to a cluster on loopback without an environment variable from the user.
+
+    Ray on Linux takes the machine's external address as this driver's node address, so a
+    driver attaching to a head started with ``--node-ip-address=127.0.0.1`` waits for a raylet
+    on an address no raylet of that cluster has, and hangs. ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
+    (read when ``ray`` is imported) makes Ray use 127.0.0.1, as ``initialize()`` does for its
+    embedded Ray; set here before the import, when the address is a loopback one.
+    """
+    from .runtime.connect import LOOPBACK_ENV
+    from .runtime.net import is_loopback
+
+    host = _host(address)
+    if not is_loopback(host) or LOOPBACK_ENV in os.environ:
+        return
+    if "ray" in sys.modules:  # too late: Ray fixed its node address at import
+        logging.getLogger(__name__).warning(
+            "twinkle-ray: ray was imported before attaching to %s; set %s=0 if this hangs",
+            address, LOOPBACK_ENV)
+        return
+    os.environ[LOOPBACK_ENV] = "0"
+
+
 # -- commands ----------------------------------------------------------------------------------
 def cmd_topology(args: argparse.Namespace) -> int:
     address = args.address or os.environ.get("RAY_ADDRESS")
@@ -172,6 +207,7 @@ def cmd_topology(args: argparse.Namespace) -> int:
         if not address:
             raise CLIError("topology: give a groups file, or --address (or RAY_ADDRESS) to list "
                            "the gangs running on a cluster")
+        _loopback_ray(address)
         import ray
 
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
@@ -184,6 +220,8 @@ def cmd_topology(args: argparse.Namespace) -> int:
     if not (args.ray or args.address):
         print(plan_picture(groups))
         return 0
+    if address:
+        _loopback_ray(address)
     import twinkle_ray
 
     need = _needs(groups)
@@ -220,7 +258,13 @@ def _load_example(name: str) -> Any:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     quickstart = _load_example("quickstart")
-    quickstart.main(args.rest)
+    argv0 = sys.argv[0] if sys.argv else None
+    sys.argv[:1] = ["twinkle-ray demo"]  # its argparse names this command in usage and errors
+    try:
+        quickstart.main(args.rest)
+    finally:
+        if argv0 is not None:
+            sys.argv[0] = argv0
     return 0
 
 

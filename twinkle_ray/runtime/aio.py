@@ -67,7 +67,7 @@ class ThreadedGets:
 
     Awaiting N refs on the event loop (``asyncio.gather``) costs a future and a
     loop wake-up per ref: at 32 refs, ~10 ms more than one ``ray.get`` of them
-    all on a 2-core machine (BENCHMARKS.md, seventh session). The helper threads
+    all on a 2-core machine (`python -m bench.probes`, recorded in BENCHMARKS.md at adea4f8). The helper threads
     are few (``threads``, daemons started on first use, so a get that never ends
     cannot hold the process at exit); when all are busy (that many gets still
     waiting, e.g. long calls of several callers) a get is awaited on the loop

@@ -59,7 +59,7 @@ def create_gang(
             f"{'device' if group.num_devices else 'worker'}(s)"
         )
     wait_for_gangs(args, kwargs)  # a gang of a start_together() block: its own start error
-    why = unpicklable(args, kwargs)  # before anything is claimed or created (DESIGN 8)
+    why = unpicklable(args, kwargs)  # before anything is claimed or created (docs/design.md#failures)
     if why is not None:
         raise TypeError(f"{cls.__name__}(remote_group='{group.name}'): {why}")
     label = runtime.new_label(group.name, cls.__name__)

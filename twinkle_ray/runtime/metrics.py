@@ -31,7 +31,7 @@ A call only notes its figures (a dict or list entry); one daemon thread (per
 gang, in its dispatcher and in each worker) hands them to Ray within ``FLUSH_S`` (Ray itself exports every 10 s
 by default), so recording a metric is never on a call's path: Ray's
 ``Counter.inc``/``Histogram.observe`` cost a no-op call on 4 workers several
-per cent (BENCHMARKS.md, seventh session).
+per cent (the B1 metrics on/off rows of `python -m bench --only B1`).
 
 Example::
 

@@ -1,5 +1,6 @@
-"""Leaks (issue 27, items 6-9): a failed gang creation keeps no device claim, and an idle gang,
-its LazyResults and its dispatcher's tables hold nothing their callers dropped."""
+"""What a gang holds, and for how long: a failed gang creation keeps no device claim, and an idle
+gang, its LazyResults and its dispatcher's tables hold nothing their callers dropped.
+"""
 
 from __future__ import annotations
 
