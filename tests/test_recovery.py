@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -55,6 +56,15 @@ class _Collective:
             raise ValueError(f"shape bug on rank {rank}")
         t = torch.tensor([1.0])
         dist.all_reduce(t)  # blocks: the failing rank never joins
+        return t.item()
+
+    @remote_function(dispatch="slice_dp", collect="first")
+    def allreduce_items(self, items: list) -> float:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([float(len(items))])
+        dist.all_reduce(t)
         return t.item()
 
     @remote_function(dispatch="all", collect="none")
@@ -108,6 +118,33 @@ class Producer:
     @remote_function(dispatch="all", collect="none")
     def pid(self) -> int:
         return os.getpid()
+
+
+def _rebuild_item(rank: int) -> Any:
+    if os.environ.get("TWINKLE_GROUP") == "c" and rank == 1:
+        raise RuntimeError("item 1 cannot be rebuilt in group c")
+    return _OnlySomewhere(rank)
+
+
+class _OnlySomewhere:
+    """An output that unpickles everywhere but on rank 1 of group 'c' (a CUDA tensor on a CPU
+    rank, a module only some nodes have)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def __reduce__(self):
+        return _rebuild_item, (self.rank,)
+
+
+@remote_class()
+class RoutesSomewhere:
+    def __init__(self, device_mesh=None):
+        pass
+
+    @remote_function(dispatch="all", collect="flatten")
+    def produce(self) -> list:
+        return [_OnlySomewhere(get_rank())]
 
 
 @remote_class()
@@ -181,6 +218,31 @@ def test_exception_in_collective_tears_down_and_restart_works(runtime):
     g.restart()
     assert g.allreduce()() == 2.0
     assert not (set(g.ports()()) & old_ports)  # a fresh torch.distributed world
+
+
+@pytest.mark.slow
+def test_a_rank_whose_routed_input_fails_is_seen_like_any_failed_rank(runtime):
+    """Rank 1 cannot have its routed input; rank 0 goes on into the all_reduce. Rank 1's
+    failure happens inside its call, so the dispatcher sees it: the error names the producer,
+    and the next call meets GangStuckError at once, never pairing its collective with rank 0's
+    stuck one (a wrong value)."""
+    runtime.initialize(groups=_groups(("p", 2), ("c", 2)))
+    producer = RoutesSomewhere(remote_group="p")
+    g = Coll(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="c")
+    assert g.allreduce()() == 2.0
+    t0 = time.monotonic()
+    with pytest.raises(TypeError, match="cannot be rebuilt") as info:
+        g.allreduce_items(producer.produce())()
+    assert "an output of RoutesSomewhere.produce() on group 'p' cannot be unpickled" in str(
+        info.value)
+    assert "Coll.allreduce_items() on rank 1 of group 'c'" in "\n".join(info.value.__notes__)
+    with pytest.raises(GangStuckError) as stuck:
+        g.allreduce()()
+    assert (stuck.value.rank, stuck.value.stuck) == (1, [0])
+    assert time.monotonic() - t0 < LIMIT_S
+    g.restart()
+    assert g.allreduce()() == 2.0
+    assert g.allreduce()() == 2.0
 
 
 @pytest.mark.slow  # 7-20 s each (gang rebuilds); the quick tier keeps the stuck-rank path

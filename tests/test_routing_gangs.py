@@ -20,7 +20,7 @@ from collections import namedtuple
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import leftovers
@@ -107,6 +107,37 @@ class Node:
     @remote_function(dispatch="all", collect=_reverse)
     def p_custom(self, spec, seed):
         return self._value(spec, seed)
+
+    @remote_function(dispatch="all", collect="last_pp")
+    def p_first_stage_raises(self):
+        if get_rank() == 0:
+            raise KeyError("stage 0 failed")
+        return [get_rank()]
+
+    @remote_function(dispatch="all", collect="mean")
+    def p_mean_counts(self):
+        import torch
+
+        return torch.tensor([get_rank(), 3])  # int64 on every rank
+
+    @remote_function(dispatch="all", collect="flatten")
+    def p_array(self):
+        return np.arange(4) + 10 * get_rank()
+
+    @remote_function(dispatch="all", collect="none")
+    def c_default_dtype(self, name):
+        import torch
+
+        torch.set_default_dtype(getattr(torch, name))
+
+    @remote_function(dispatch="balance", collect="flatten", chunk_size=2)
+    def c_balance(self, items, extra):
+        shown = extra.tolist() if hasattr(extra, "tolist") else extra
+        return [(list(items), repr(shown))] * len(items)
+
+    @remote_function(dispatch="all", collect="first")
+    def c_describe(self, x):
+        return str(x.dtype), x.tolist()
 
     @remote_function(dispatch="slice_dp", collect="none")
     def c_slice_dp(self, *args, **kwargs):
@@ -196,10 +227,6 @@ def test_a_routed_value_is_what_fetching_and_passing_it_gives(gangs, shape, seed
         with pytest.raises(type(fetch_error)):
             getattr(gangs[consumer], dispatch)(*place(lazy, position, [])[0])()
         return
-    cut = position in ("arg", "kwarg") or (position == "dict" and dispatch == "slice_dp")
-    # several return values are cut element by element, not as one sequence: the pure rule
-    # test covers those; here they go whole (list, tuple, dataclass) or not at all
-    assume(not (cut and isinstance(fetched, tuple)))
     batch = list(range(plain))
     fn = getattr(gangs[consumer], dispatch)
     args, kwargs = place(lazy, position, batch)
@@ -243,3 +270,56 @@ def test_per_rank_scalars_keep_their_shape_routed_or_passed(gangs):
     assert routed == passed
     assert [r["args"][0]["rank"] for r in routed] == [[0.0, 1.0], [2.0, 3.0]]
     assert [r["args"][0]["n"] for r in routed] == [[16, 16], [16, 16]]
+
+
+@pytest.mark.parametrize("kind", ["array", "dict", "tuple"])
+def test_balance_cuts_a_routed_value_as_it_cuts_the_passed_one(gangs, kind):
+    """A balanced method cuts its list arguments into chunks; anything else (an array, a dict,
+    a tuple) goes whole to every chunk, routed or passed alike."""
+    producer, consumer = gangs["pp2_dp2"], gangs["dp4"]
+    out = {"array": producer.p_array(), "dict": producer.p_flatten(("dict", (("a", ("list",)),)), 1),
+           "tuple": producer.p_flatten(("tuple", (("list",), ("list",)), False), 2)}[kind]
+    items = list(range(6))
+    assert consumer.c_balance(items, out)() == consumer.c_balance(items, out())()
+
+
+def test_a_routed_list_is_cut_into_the_chunks_of_a_balanced_call(gangs):
+    producer, consumer = gangs["dp4"], gangs["dp4"]
+    out = producer.p_flatten(("list",), 5)
+    passed = consumer.c_balance(list(range(len(out()))), out())()
+    assert consumer.c_balance(list(range(len(out()))), out)() == passed
+    assert [chunk for chunk, _ in passed][0] == [0, 1]  # each chunk saw its own part
+
+
+def test_a_mean_is_the_same_whichever_process_collects_it(gangs):
+    """collect='mean' of integer tensors is float32, in the driver (get) as in a consumer rank
+    (routed) whose default dtype is float64."""
+    producer, consumer = gangs["dp4"], gangs["dp2_tp2"]
+    consumer.c_default_dtype("float64")()
+    try:
+        m = producer.p_mean_counts()
+        assert consumer.c_describe(m)() == consumer.c_describe(m())() == ("torch.float32", [1.5, 3.0])
+    finally:
+        consumer.c_default_dtype("float32")()
+
+
+def test_a_dict_subclass_keeps_its_type_routed_or_passed(gangs):
+    from collections import OrderedDict, defaultdict
+
+    producer, consumer = gangs["dp4"], gangs["dp2_tp2"]
+    out = producer.p_flatten(("list",), 7)
+    for make_dict in (OrderedDict, lambda **kw: defaultdict(list, **kw)):
+        routed = consumer.c_slice_dp(make_dict(x=out, t=0.5))()
+        passed = consumer.c_slice_dp(make_dict(x=out(), t=0.5))()
+        assert [type(r["args"][0]) for r in routed] == [type(r["args"][0]) for r in passed]
+        assert all(same(a, b) for a, b in zip(routed, passed, strict=True))
+
+
+def test_an_error_on_a_rank_the_collect_does_not_read_is_raised(gangs):
+    """collect='last_pp' reads the last stage; an error raised on an earlier stage is raised
+    by get() and by the consumer of the routed result, never dropped."""
+    producer, consumer = gangs["pp2_dp2"], gangs["dp4"]
+    with pytest.raises(KeyError, match="stage 0 failed"):
+        producer.p_first_stage_raises().get(timeout=60)
+    with pytest.raises(KeyError, match="stage 0 failed"):
+        consumer.c_all(producer.p_first_stage_raises()).get(timeout=60)

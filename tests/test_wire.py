@@ -193,3 +193,31 @@ def test_docstring_examples():
     for module in (errors, reply, wire):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0, module.__name__
+
+
+def test_many_small_arguments_together_never_carry_payload_through_the_dispatcher(ray_session):
+    """Each argument under PUT_BYTES, forty of them over it: the largest are put until what
+    stays in the task comes to less than PUT_BYTES."""
+    import ray
+
+    args = tuple(b"x" * (60_000 - i) for i in range(40))
+    kwargs = {f"k{i}": "y" * (60_000 - i) for i in range(10)}
+    enc, s, _ = _round_trip(args, kwargs)
+    inline = [v for v in [*s.args, *s.kwargs.values()] if isinstance(v, bytes)]
+    assert sum(map(len, inline)) < PUT_BYTES
+    task = Task("m", 1, "value", s.args, s.kwargs, s.nested, (), None)
+    assert decode(task, tuple(ray.get(s.tops)), None) == (args, kwargs)
+
+
+def test_a_tensor_view_travels_as_its_own_elements():
+    """torch pickles a view with its whole storage: a slice of a 4 MB batch would carry 4 MB."""
+    import pickle
+
+    import torch
+
+    batch = torch.arange(1_000_000, dtype=torch.float32)
+    enc, s, _ = _round_trip((batch[:10], batch.view(1000, 1000)[:, :2]), {})
+    assert sum(len(a) for a in s.args) < 20_000
+    first, column = (pickle.loads(a) for a in s.args)
+    assert torch.equal(first, batch[:10]) and first.untyped_storage().nbytes() == 40
+    assert torch.equal(column, batch.view(1000, 1000)[:, :2])

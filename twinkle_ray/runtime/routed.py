@@ -31,7 +31,13 @@ from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import ray
-from ray.exceptions import ObjectFetchTimedOutError, ObjectLostError, RayActorError, RayError
+from ray.exceptions import (
+    ObjectFetchTimedOutError,
+    ObjectLostError,
+    RayActorError,
+    RayError,
+    RaySystemError,
+)
 
 from ..core.dispatch import Split, slice_length
 from ..core.routing import Routed, Source, likely_needed
@@ -188,15 +194,21 @@ def pull(refs: list, producer: GangRef, method: str, ranks: list) -> list:
     One ``ray.get``. On a failure, the caller's rules (:func:`~twinkle_ray.runtime.diagnose.fetch`):
     a producer worker that died anywhere makes this raise the producer gang's
     WorkerDiedError (group, class, rank), whatever another rank raised; else a producer's own
-    exception is re-raised as itself with a note naming the producer.
+    exception is re-raised as itself with a note naming the producer; an output this worker
+    cannot unpickle raises TypeError saying why (as an argument that cannot be unpickled).
     """
     try:
         return ray.get(refs)
     except RayError:
         pass
+    where = f"an output of {producer.cls_name}.{method}() on group '{producer.group}'"
     try:
         return fetch(refs, ranks, producer, method, None)
-    except Exception as err:  # a death, the producer's own error, or Ray's (e.g. unpickling)
-        err.add_note(f"while fetching an output of {producer.cls_name}.{method}() on group "
-                     f"'{producer.group}' as an input")
+    except RaySystemError as e:  # Ray's wrapper of an unpickling error
+        why = e.client_exc if isinstance(e.client_exc, BaseException) else None
+        raise TypeError(f"{where} cannot be unpickled in this Ray worker "
+                        f"({f'{type(why).__name__}: {why}' if why else str(e).splitlines()[0]})"
+                        f": the call did not run") from None
+    except Exception as err:  # a death, the producer's own error
+        err.add_note(f"while fetching {where} as an input")
         raise
