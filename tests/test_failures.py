@@ -325,6 +325,15 @@ def test_a_call_cut_short_by_close_says_so(ray_session):
         with pytest.raises(GangClosedError, match=r"gang f_close/Fragile was closed \(closed by the "
                                                   r"test\) while Fragile.sleep\(\) was in flight"):
             pending.get(timeout=60)
+        g = Fragile(remote_group="f_close")
+        g.info()()
+        calls = [g.info() for _ in range(20)]  # some reach the dispatcher after it stopped
+        g.close("closed again")
+        for call in calls:  # each has its value or says the gang was closed: never a plain
+            try:  # RuntimeError('not running') nor a death
+                assert len(call.get(timeout=60)) == 2
+            except GangClosedError as e:
+                assert "f_close/Fragile was closed" in str(e), e
     finally:
         twinkle_ray.shutdown()
 

@@ -130,7 +130,7 @@ def test_a_consumers_fetch_of_the_producers_output_refs_raises_it_not_a_death(ra
     # producer's reply for that output's ref
     route = RouteIn("none", [0, 1], reply_ref=plan, producer=GANG, method="forward")
     with pytest.raises(ObjectFetchTimedOutError) as info:
-        Slots((route,), (), None, "consume", "g").value(0)
+        Slots((route,), None, "consume", "g").value(0)
     assert any("the refs of the outputs of Model.forward()" in n for n in info.value.__notes__)
 
 

@@ -124,6 +124,14 @@ class Node:
     def p_array(self):
         return np.arange(4) + 10 * get_rank()
 
+    @remote_function(dispatch="all", collect="flatten")
+    def p_floats(self, n):
+        return np.arange(n, dtype=np.float32) + 1000 * get_rank()
+
+    @remote_function(dispatch="slice_dp", collect="none")
+    def c_writeable(self, x):
+        return x.flags.writeable
+
     @remote_function(dispatch="all", collect="none")
     def c_default_dtype(self, name):
         import torch
@@ -323,3 +331,14 @@ def test_an_error_on_a_rank_the_collect_does_not_read_is_raised(gangs):
         producer.p_first_stage_raises().get(timeout=60)
     with pytest.raises(KeyError, match="stage 0 failed"):
         consumer.c_all(producer.p_first_stage_raises()).get(timeout=60)
+
+
+@pytest.mark.parametrize("n", [100, 20_000])  # 400 B and 80 KB per producer rank
+def test_a_routed_array_is_writeable_exactly_when_a_passed_one_is(gangs, n):
+    """A passed array under 64 KB travels in the task's bytes (writable); a larger one is put
+    (read-only, zero-copy). A routed one follows the same rule, whatever the layout."""
+    producer = gangs["dp4"]
+    out = producer.p_floats(n)
+    for consumer in ("dp4", "dp2_tp2"):  # one output per rank, or two joined
+        c = gangs[consumer]
+        assert c.c_writeable(out)() == c.c_writeable(out())(), (consumer, n)

@@ -42,7 +42,7 @@ from ..core.dispatch import call_targets
 from .aio import RankFailed, ThreadedGets, all_or_first_error, values
 from .build import Builder
 from .diagnose import GangRef
-from .errors import GangStuckError, WorkerDiedError
+from .errors import GangClosedError, GangStuckError, WorkerDiedError
 from .health import DeathRecord, Health
 from .lazy import END_OF_ITERATION
 from .metrics import GangMetrics
@@ -214,14 +214,16 @@ class Dispatcher:
         if not self.state.workers:
             raise RuntimeError(f"gang {self.spec.label} is not running")
 
-    async def _running_workers(self) -> list:
-        """The workers once the gang can take a call: after a pending stuck check or rebuild;
-        raises the gang's error when it is broken."""
+    async def _running_workers(self, call: str = "a call") -> list:
+        """The workers once the gang can take ``call``: after a pending stuck check or
+        rebuild; raises the gang's error when it is broken, GangClosedError once closed."""
         if self.health.suspects or self.rebuilds.task is not None:  # not the usual case
             await self.health.checked()  # a failure was reported: were peers left stuck?
             await self.rebuilds.settled()  # a rebuild is under way
         if self.deaths.error is not None:
             raise self.deaths.error
+        if self.state.stopped:
+            raise GangClosedError(self.spec.label, "closed", call)
         if not self.state.workers:
             raise RuntimeError(f"gang {self.spec.label} is not running (stopped)")
         return self.state.workers
@@ -290,10 +292,11 @@ class Dispatcher:
         """
         inline = call.returns == "inline"
         async with self.turns.turn(call.turn):  # 1. order
-            workers = await self._running_workers()  # 2. health
+            what = f"{self.spec.cls_name}.{call.method}()"
+            workers = await self._running_workers(what)  # 2. health
             inputs = [(r, *await self.routes.resolve(r)) for r in call.routes]  # 3. producers
             if workers is not self.state.workers:  # rebuilt meanwhile: the new workers
-                workers = await self._running_workers()
+                workers = await self._running_workers(what)
             reply = self._submit(call, workers, inputs)  # 4. submit
             if not inline:  # an eager call's outputs are never routed
                 self.routes.remember(call.turn[:2] if call.turn else None, reply)

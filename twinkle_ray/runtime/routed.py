@@ -30,6 +30,7 @@ import pickle
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
+import numpy as np
 import ray
 from ray.exceptions import (
     ObjectFetchTimedOutError,
@@ -43,7 +44,7 @@ from ..core.dispatch import Split, slice_length
 from ..core.routing import Routed, Source, likely_needed
 from .diagnose import OUTPUT_REFS, GangRef, fetch, fetch_timed_out
 from .reply import Reply
-from .wire import Route
+from .wire import PUT_BYTES, Route
 
 # The replies of this many recent calls are kept, each for RECENT_KEEP_S after it was
 # submitted, so a call chained right after one of them finds its producer's refs here. A
@@ -160,7 +161,7 @@ class Slots:
         split = self.split if rin.cut else None
         if split is not None and split.mode == "slice":
             split = split._replace(slice_len=self._common_length())
-        return self.routed(j).part(split, rin.location)
+        return as_passed(self.routed(j).part(split, rin.location))
 
     def _common_length(self) -> int | None:
         """Under 'slice', every list cut has one length: the plain list arguments' (the
@@ -186,6 +187,39 @@ class Slots:
                 raise rin.producer.reply_lost(e, rin.method) from None
         return pull([rin.hints[k] if k in rin.hints else refs[k] for k in ks], rin.producer,
                     rin.method, [rin.workers[k] for k in ks])
+
+
+def as_passed(value: Any) -> Any:
+    """``value`` with each numpy array as a passed value's would be: an array the caller puts
+    (``PUT_BYTES`` or more) arrives read-only, zero-copy from the object store; a smaller one
+    travels in the task's bytes and arrives writable. A routed array is a view of a producer's
+    output (read-only) or joined from several (writable): without this, whether ``x *= 2``
+    works would depend on the layout. Lists and dicts are the rank's own: changed in place.
+
+    >>> a = np.zeros(3); a.flags.writeable = False
+    >>> as_passed([a])[0].flags.writeable
+    True
+    """
+    if type(value) is np.ndarray:
+        if value.nbytes < PUT_BYTES or value.dtype.hasobject:  # (never put)
+            return value if value.flags.writeable else value.copy()
+        if value.flags.writeable:
+            value = value.view()
+            value.flags.writeable = False
+        return value
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            if isinstance(v, list | dict | tuple | np.ndarray):
+                value[i] = as_passed(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(v, list | dict | tuple | np.ndarray):
+                value[k] = as_passed(v)
+    elif isinstance(value, tuple):
+        items = [as_passed(v) for v in value]
+        if any(x is not y for x, y in zip(items, value, strict=True)):
+            return type(value)(*items) if hasattr(type(value), "_fields") else type(value)(items)
+    return value
 
 
 def pull(refs: list, producer: GangRef, method: str, ranks: list) -> list:
