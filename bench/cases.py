@@ -192,6 +192,23 @@ def _gang4_rows(cfg: Config, only: frozenset, gang, group: str, actors: list) ->
         rows.append(_row(f"B2 {cfg.chain} chained lazy calls, 4 workers", r, unit="s",
                          target="throughput >= 1.0x raw",
                          checks=[("throughput_ratio", ">=", 1.0)]))
+        hop = whatif.Hop.options(max_concurrency=1000).remote(actors)
+
+        def chain_floor():
+            link = hop.step.remote(start)
+            for _ in range(cfg.chain - 1):
+                link = hop.step.remote(link)  # Ray hands the hop the previous link's refs
+            assert [i for xs in ray.get(ray.get(link)) for i in xs] == list(range(n))
+
+        r = compare(chain_twinkle, chain_floor, repeats=cfg.chain_repeats, warmup=1)
+        r["floor_s"] = r["raw_s"]  # the raw column of this row is the floor's chain
+        r["twinkle_calls_per_s"] = cfg.chain / r["twinkle_s"]
+        r["floor_calls_per_s"] = cfg.chain / r["floor_s"]
+        r["floor_ratio"] = r["twinkle_calls_per_s"] / r["floor_calls_per_s"]
+        rows.append(_row(f"B2 {cfg.chain} chained lazy calls vs the one-hop floor's chain", r,
+                         unit="s", target="throughput >= 1.0x the one-hop floor's chain",
+                         checks=[("floor_ratio", ">=", 1.0)]))
+        ray.kill(hop)
         workers = whatif.gang_workers(gang, NAMESPACE)
 
         def chain_direct():

@@ -126,7 +126,8 @@ def figure(row: dict) -> str:
         parts.append(_t(row["twinkle_s"], unit))
     if "floor_ratio" in row:
         parts.append(f"{row['floor_ratio']:.2f}x the one-hop floor" if row["_key"] == "B1"
-                     else f"{row['floor_ratio']:.2f}x the transfer floor")
+                     else f"throughput {row['floor_ratio']:.2f}x the one-hop floor's chain"
+                     if row["_key"] == "B2" else f"{row['floor_ratio']:.2f}x the transfer floor")
     if "throughput_ratio" in row:
         parts.append(f"throughput {row['throughput_ratio']:.2f}x raw")
     elif "ratio" in row:

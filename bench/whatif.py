@@ -48,6 +48,11 @@ class Hop:
         """Fan out a no-op, return the output refs at once (one hop, refs back)."""
         return [a.noop.remote() for a in self.actors]
 
+    async def step(self, inputs: list) -> list:
+        """One link of a chain: each actor's ``step`` on its input (a value or the previous
+        link's output ref), the output refs back at once (B2's one-hop floor)."""
+        return [a.step.remote(x) for a, x in zip(self.actors, inputs, strict=True)]
+
 
 def gang_workers(proxy, namespace: str) -> list:
     """The worker actor handles of a twinkle_ray gang, in rank order (found by name)."""
@@ -63,16 +68,16 @@ def _task(method: str, args: tuple, returns: str = "value") -> Task:
 def direct_noop(workers: list) -> object:
     """A no-op through the gang's workers, submitted by the driver; collected as twinkle does."""
     task = _task("noop", ())  # collect 'none': no records
-    outs = [w.run.remote(task) for w in workers]
+    outs = [w.run.remote(task, []) for w in workers]
     return collect("none", ray.get(outs), worker_indices=list(range(len(workers))))
 
 
 def direct_chain(workers: list, start: list, length: int) -> list:
     """B2 through the gang's workers from the driver: each link takes the previous output ref
-    (a top-level task argument, as the dispatcher passes a routed output it expects)."""
+    (a put of the caller's, fetched by the rank, as a routed output is)."""
     def link(w, prev):
         task = _task("step", (Resolved(0),), "meta")
-        return w.run.options(num_returns=2).remote(task, prev)[0]
+        return w.run.options(num_returns=2).remote(task, [prev])[0]
 
     refs = [link(w, ray.put(xs)) for w, xs in zip(workers, start, strict=True)]
     for _ in range(length - 1):

@@ -329,8 +329,10 @@ def test_an_error_on_a_rank_the_collect_does_not_read_is_raised(gangs):
     producer, consumer = gangs["pp2_dp2"], gangs["dp4"]
     with pytest.raises(KeyError, match="stage 0 failed"):
         producer.p_first_stage_raises().get(timeout=60)
-    with pytest.raises(KeyError, match="stage 0 failed"):
+    with pytest.raises(KeyError, match="stage 0 failed") as info:
         consumer.c_all(producer.p_first_stage_raises()).get(timeout=60)
+    notes = "\n".join(info.value.__notes__)  # the producer named, not only the consumer
+    assert "Node.p_first_stage_raises() on rank 0 of group 'four'" in notes, notes
 
 
 @pytest.mark.parametrize("n", [100, 20_000])  # 400 B and 80 KB per producer rank

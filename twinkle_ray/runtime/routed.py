@@ -26,6 +26,7 @@ Example (in a rank)::
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import pickle
 from collections import OrderedDict
 from typing import Any, NamedTuple
@@ -124,7 +125,8 @@ class Routes:
                 route.collect, list(reply.workers), producer.mesh, producer.gpus_per_worker,
                 reply.balanced, list(reply.records) if reply.records else None, hints,
                 reply_ref=route.reply_ref,
-                producer=GangRef(producer.group, producer.cls_name, dispatcher=None),
+                producer=GangRef(producer.group, producer.cls_name, dispatcher=None,
+                                 label=producer.label, namespace=producer.namespace),
                 method=route.method, cut=route.cut, location=route.location))
         return tuple(ins)
 
@@ -189,6 +191,19 @@ class Slots:
                     rin.method, [rin.workers[k] for k in ks])
 
 
+def _asking(producer: GangRef) -> GangRef:
+    """``producer`` with its dispatcher, found by name (a task carries no handle): on a
+    death, the dispatcher names the gang's first one, not the rank whose output this rank
+    happened to read (torn down after it)."""
+    if producer.dispatcher is not None or producer.label is None:
+        return producer
+    try:
+        handle = ray.get_actor(producer.label, namespace=producer.namespace)
+    except ValueError:  # gone: named from what this rank saw
+        return producer
+    return dataclasses.replace(producer, dispatcher=handle)
+
+
 def as_passed(value: Any) -> Any:
     """``value`` with each numpy array as a passed value's would be: an array the caller puts
     (``PUT_BYTES`` or more) arrives read-only, zero-copy from the object store; a smaller one
@@ -237,7 +252,7 @@ def pull(refs: list, producer: GangRef, method: str, ranks: list) -> list:
         pass
     where = f"an output of {producer.cls_name}.{method}() on group '{producer.group}'"
     try:
-        return fetch(refs, ranks, producer, method, None)
+        return fetch(refs, ranks, _asking(producer), method, None)
     except RaySystemError as e:  # Ray's wrapper of an unpickling error
         why = e.client_exc if isinstance(e.client_exc, BaseException) else None
         raise TypeError(f"{where} cannot be unpickled in this Ray worker "
