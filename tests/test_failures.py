@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -201,17 +202,27 @@ def test_timeout_names_late_ranks(gang):
 
 
 @pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
-def test_timeout_says_a_call_has_not_started(gang):
-    # Rank 1 raises, rank 0 returns: the dispatcher's stuck check holds the next call for the
-    # grace period (3 s), so that call is not on any rank when its 0.5 s timeout ends.
+def test_a_call_queued_behind_a_slow_one_names_every_rank_late(gang):
+    # A call queued behind a 2 s one has not answered on any rank when its 0.5 s timeout ends.
+    busy = gang.sleep(2.0)
+    queued = gang.sleep(0)
+    with pytest.raises(CallTimeoutError, match=r"Fragile.sleep\(\) on group 'f': rank\(s\) \[0, 1\] "
+                                               r"did not answer within 0.5s") as info:
+        queued.get(timeout=0.5)
+    assert info.value.ranks == [0, 1]
+    assert queued.get() == [0, 1]  # it still runs, in its turn
+    assert busy.get() == [0, 1]
+
+
+@pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
+def test_a_failure_holds_the_failing_rank_only_until_its_peers_are_out_of_the_call(gang):
+    """Rank 1 raises, rank 0 returns. The stuck check ends as soon as no peer is inside the
+    failed call (not after its 3 s grace), and only then does rank 1 run its next call."""
     with pytest.raises(KeyError):
         gang.boom(1)()
-    queued = gang.sleep(0)
-    with pytest.raises(CallTimeoutError, match=r"Fragile.sleep\(\) on group 'f': not started on "
-                                               r"any rank within 0.5s") as info:
-        queued.get(timeout=0.5)
-    assert info.value.ranks == []
-    assert queued.get() == [0, 1]  # it still runs, in its turn
+    t0 = time.monotonic()
+    assert gang.sleep(0).get(timeout=30) == [0, 1]
+    assert time.monotonic() - t0 < 2.5  # under the grace: the check ended early
 
 
 @pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)
@@ -242,18 +253,11 @@ def test_max_restarts_rebuilds_automatically(gang):
 
 
 @pytest.mark.slow
-def test_failing_init_names_the_rank(ray_session):
-    import twinkle_ray
-
-    twinkle_ray.shutdown()
-    twinkle_ray.initialize(groups=[DeviceGroup("i", 2, "cpu")])
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"gang i/BadInit failed to start \(rank 1\).*cannot load weights"):
-            BadInit(1, remote_group="i")
-        assert time.monotonic() - t0 < 60
-    finally:
-        twinkle_ray.shutdown()
+def test_failing_init_names_the_rank(gang):  # (the module's runtime: group 'h' is free)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"gang h/BadInit failed to start \(rank 1\).*cannot load weights"):
+        BadInit(1, remote_group="h")
+    assert time.monotonic() - t0 < 60
 
 
 def test_worker_died_error_reads_well_without_a_rank():
@@ -333,7 +337,7 @@ def test_a_call_cut_short_by_close_says_so(ray_session):
             try:  # RuntimeError('not running') nor a death
                 assert len(call.get(timeout=60)) == 2
             except GangClosedError as e:
-                assert "f_close/Fragile was closed" in str(e), e
+                assert re.search(r"f_close/Fragile(-\d+)? was closed", str(e)), e
     finally:
         twinkle_ray.shutdown()
 

@@ -95,6 +95,7 @@ class Builder:
                     metrics=spec.label if spec.metrics else None,
                     gpus_per_worker=g.gpus_per_worker,
                     distributed=distributed,
+                    stuck_grace_s=spec.stuck_grace_s,
                 )
             )
         st.master_addr = master_addr

@@ -33,6 +33,7 @@ Example (what GangProxy does)::
 """
 from __future__ import annotations
 
+import asyncio
 import os
 
 import ray
@@ -129,6 +130,16 @@ class Dispatcher:
                              balanced: bool = False) -> None:
         """A worker's call ``seq`` raised (see :meth:`Health.report_failure`: the stuck check)."""
         self.health.report_failure(gen, seq, rank, method, cause, balanced)
+
+    async def verdict(self, seq: int) -> BaseException | None:
+        """The end of the stuck check of call ``seq``, which a rank that reported its failure
+        waits for before it runs its next call: None when no peer was left inside the call,
+        else the gang's error (it was torn down). A peer stuck in that call's collective
+        would otherwise pair it with the next call's."""
+        check = self.health.suspects.get(seq)
+        if check is not None:
+            await asyncio.wait([check])
+        return self.deaths.error
 
     def set_restart_policy(self, max_restarts: int, window_s: float | None = None) -> str:
         """Replace the gang's restart limits (a Serve replica sets its own here); the

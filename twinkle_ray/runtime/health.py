@@ -46,6 +46,7 @@ from .ranks import GangState
 
 logger = logging.getLogger(__name__)
 
+STUCK_POLL_S = 0.05  # the stuck check's first look at the ranks (then less often)
 PROGRESS_QUERY_S = 5.0  # how long a check waits for a worker to say what it is running
 OUTAGE_POLL_S = 0.5
 OUTAGE_LIMIT_S = 30.0
@@ -115,6 +116,7 @@ class Health:
         # call number -> the stuck check after a failure of that call was reported (dropped when
         # it ends: empty when no check is under way)
         self.suspects: dict[int, asyncio.Task] = {}
+        self.reported: dict[int, set[int]] = {}  # call number -> ranks that reported its failure
 
     # -- the watch -----------------------------------------------------------------------------
     def watch(self, gen: int, workers: list) -> None:
@@ -201,40 +203,58 @@ class Health:
 
     # -- the stuck check -----------------------------------------------------------------------
     def report_failure(self, gen: int, seq: int, rank: int, method: str, cause: str,
-                       balanced: bool = False) -> None:
-        """A worker's call ``seq`` raised. Unless that call is checked already, look again after
-        the grace period: ranks still inside that same call are stuck in a collective, and the
-        gang goes. A gang without torch.distributed has no collective to be stuck in, nor a
-        ``balanced`` call (its data-parallel groups run their own chunks): no check, and a
-        balanced call hands out no more chunks. Ranks still on an earlier call are not stuck
-        by this one's failure."""
+                       balanced: bool = False) -> asyncio.Future | None:
+        """A worker's call ``seq`` raised: check whether peers are left inside that call, stuck
+        in a collective (the gang then goes), and return the check, whose end is the verdict
+        the reporting rank waits for before its next call. A gang without torch.distributed
+        has no collective to be stuck in, nor a ``balanced`` call (its data-parallel groups
+        run their own chunks): no check (None), and a balanced call hands out no more
+        chunks. Ranks still on an earlier call are not stuck by this one's failure."""
         self.state.chunks.drop(seq)
         grace = self.state.spec.stuck_grace_s
         if (balanced or grace is None or not self.state.distributed
                 or not self.state.current(gen)):
-            return
-        if seq not in self.suspects:
+            return None
+        self.reported.setdefault(seq, set()).add(rank)
+        check = self.suspects.get(seq)
+        if check is None:
             check = asyncio.ensure_future(self._check_stuck(gen, seq, rank, method, cause, grace))
             self.suspects[seq] = check
-            check.add_done_callback(lambda _: self.suspects.pop(seq, None))
+
+            def done(_: object) -> None:
+                self.suspects.pop(seq, None)
+                self.reported.pop(seq, None)
+
+            check.add_done_callback(done)
+        return check
 
     async def _check_stuck(self, gen, seq, rank, method, cause, grace) -> None:
+        """Ask the ranks what they run, soon and then less often, until none but those that
+        reported this call's failure is inside it (nothing stuck: the check ends), or the
+        grace has passed with some still inside (stuck: the gang goes)."""
         st = self.state
-        await asyncio.sleep(grace)
-        if not st.current(gen):
-            return
-        workers = list(st.workers)
-        asks = [asyncio.ensure_future(quiet(w.progress.remote())) for w in workers]
-        done, _ = await asyncio.wait(asks, timeout=PROGRESS_QUERY_S)
-        stuck = []
-        for r, t in enumerate(asks):
-            # no answer in time: as good as stuck
-            current = t.result() if t in done else seq
-            if current == seq:
-                stuck.append(r)
-        if stuck and st.current(gen):
-            await self.on_failure(GangStuckError(st.spec.group.name, st.spec.cls_name, rank, stuck,
-                                                 method, cause, grace))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        delay = STUCK_POLL_S
+        while True:
+            await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
+            if not st.current(gen):
+                return
+            past = loop.time() >= deadline
+            workers = list(st.workers)
+            asks = [asyncio.ensure_future(quiet(w.progress.remote())) for w in workers]
+            done, _ = await asyncio.wait(asks, timeout=PROGRESS_QUERY_S if past else delay)
+            reported = self.reported.get(seq, set())
+            inside = [r for r, t in enumerate(asks)  # no answer: as good as inside
+                      if r not in reported and (t.result() if t in done else seq) == seq]
+            if not inside:
+                return
+            if past:
+                if st.current(gen):
+                    await self.on_failure(GangStuckError(
+                        st.spec.group.name, st.spec.cls_name, rank, inside, method, cause, grace))
+                return
+            delay = min(2 * delay, 0.5)
 
     async def checked(self) -> None:
         """Wait for the stuck checks under way (a failure was reported: were peers left stuck?)."""

@@ -73,6 +73,7 @@ class WorkerInfo:
     # the gang joins torch.distributed: the worker imports torch as soon as it exists (see
     # GangWorker.__init__)
     distributed: bool = False
+    stuck_grace_s: float | None = None  # the gang's (a failure report waits for its verdict)
 
     def environ(self) -> dict[str, str]:
         env = {
@@ -102,6 +103,7 @@ class GangWorker:
         self.instance: Any = None
         # the number of the call running now (None: idle)
         self.current: int | str | None = None
+        self.verdict_of: int | None = None  # a failed call whose stuck check the next call awaits
         self.phase: str | None = "created"  # what start() is doing (None: started)
         self.metrics = GangMetrics.create(info.metrics, True) if info.metrics else None
         # torch takes seconds of CPU to import, and a distributed gang's start needs it: the
@@ -201,6 +203,8 @@ class GangWorker:
         the result (``'value'``), the result and its record (``'meta'``), or the result for an
         eager reply (``'inline'``). A failure is reported to the dispatcher before it is
         raised, so it can tell whether peers are left stuck in a collective."""
+        if self.verdict_of is not None:
+            self._await_verdict()
         self.current = task.seq
         m, t0, nbytes, failed = self.metrics, None, 0, True
         record = None
@@ -254,7 +258,8 @@ class GangWorker:
     def _report(self, task: Task, error: BaseException) -> None:
         """Tell the dispatcher that this rank's call failed (its stuck check; a balanced call's
         chunks stop), and wait for the receipt: the caller must not see the error before the
-        dispatcher does."""
+        dispatcher does. The rank's next call first waits for the check's verdict
+        (:meth:`_await_verdict`)."""
         d = self.info.dispatcher
         if d is None:
             return
@@ -263,8 +268,25 @@ class GangWorker:
             ray.get(d.report_failure.remote(self.info.generation, task.seq, self.info.rank,
                                             task.method, cause, task.balance is not None),
                     timeout=REPORT_TIMEOUT_S)
+            if info_grace(self.info) is not None and task.balance is None:
+                self.verdict_of = task.seq
         except Exception:  # the dispatcher is gone or busy: raising the error matters more
             logger.debug("could not report a failure to the dispatcher", exc_info=True)
+
+    def _await_verdict(self) -> None:
+        """After a failed call, before the next: wait until the dispatcher's stuck check says
+        no peer was left inside the failed call (else raise the gang's error, unrun). A peer
+        blocked in that call's collective would pair it with this call's: a wrong value, not
+        an error. At once when no peer is left (the check ends early); the grace at most."""
+        seq, self.verdict_of = self.verdict_of, None
+        try:
+            error = ray.get(self.info.dispatcher.verdict.remote(seq),
+                            timeout=REPORT_TIMEOUT_S + (info_grace(self.info) or 0.0))
+        except Exception:  # the dispatcher is gone or busy: its own error path names it
+            logger.debug("no verdict on call %s", seq, exc_info=True)
+            return
+        if error is not None:
+            raise error
 
     @ray.method(concurrency_group="control")
     def progress(self) -> int | str | None:
@@ -380,3 +402,8 @@ def make_worker(
         ),
         **resource_options(resource_name if amount else None, amount, cpus),
     ).remote(info)
+
+
+def info_grace(info: WorkerInfo) -> float | None:
+    """The stuck grace a failure report may wait for (none for a gang without collectives)."""
+    return info.stuck_grace_s if info.distributed else None
