@@ -94,3 +94,73 @@ def test_closing_a_gang_or_shutdown_closes_the_channel(runtime):
     sampler = Box(None, 0.0, remote_group="sampler")
     sync_weights(trainer, sampler)
     assert sampler.version()() == 1.0
+
+
+def _opened(ws) -> dict:
+    """Pairs each end opened over its life, per gang and rank (the trainer's per rank)."""
+    out = {}
+    for gang, ranks in ws.channels().items():
+        for r in ranks:
+            for c in r.get("sources", {}).values():
+                out[f"{gang} rank {r['rank']}"] = c["opened"]
+            for c in r.get("receivers", {}).values():
+                out[f"{gang} rank {r['rank']}"] = c["opened"]
+    return out
+
+
+def _pairs_of(ws) -> dict:
+    return {f"rank {r['rank']}": c["pair_keys"] for r in ws.channels()["trainer"] for c in r["sources"].values()}
+
+
+@pytest.mark.slow
+def test_a_sampler_killed_and_rebuilt_rejoins_without_rebuilding_anyone_else(runtime):
+    from twinkle_ray.weights import WeightSync
+
+    runtime.initialize(groups=[DeviceGroup("trainer", 2, "cpu", cpus_per_worker=0.5),
+                               DeviceGroup("a", 1, "cpu", cpus_per_worker=0.5),
+                               DeviceGroup("b", 1, "cpu", cpus_per_worker=0.5)])
+    trainer = Box(None, 1.0, remote_group="trainer")
+    a, b = Box(None, 0.0, remote_group="a"), Box(None, 0.0, remote_group="b")
+    ws = WeightSync(trainer, [a, b], timeout_s=60)
+    ws.sync()
+    before, pairs_before = _opened(ws), _pairs_of(ws)
+    os.kill(b.pid()(), signal.SIGKILL)
+    trainer.set_version(2.0)()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError):
+        ws.sync()
+    assert time.monotonic() - t0 < LIMIT_S
+    b.restart()
+    trainer.set_version(3.0)()
+    stats = ws.sync()
+    assert (a.version()(), b.version()()) == (3.0, 3.0)
+    after, pairs_after = _opened(ws), _pairs_of(ws)
+    print(f"\npairs opened over each end's life: before the kill {before}; after b's rebuild {after}")
+    print(f"trainer pairs before {pairs_before}; after {pairs_after}")
+    uid_a = {k.split("-", 1)[1] for ks in pairs_before.values() for k in ks} & \
+        {k.split("-", 1)[1] for ks in pairs_after.values() for k in ks}
+    assert len(uid_a) == 1  # a's receiver kept its pairs (same id)...
+    assert after["sampler 0 rank 0"] == before["sampler 0 rank 0"]  # ...and opened none
+    rebuilt = sum(after[k] - before[k] for k in before if k.startswith("trainer"))
+    assert rebuilt == sum(len([k for k in ks if k.split("-", 1)[1] not in uid_a]) for ks in pairs_after.values())
+    assert stats.receivers == 2
+    ws.close()
+
+
+@pytest.mark.slow
+def test_a_sampler_added_between_two_syncs_receives_the_full_model(runtime):
+    runtime.initialize(groups=[DeviceGroup("trainer", 2, "cpu", cpus_per_worker=0.5),
+                               DeviceGroup("a", 1, "cpu", cpus_per_worker=0.5),
+                               DeviceGroup("b", 1, "cpu", cpus_per_worker=0.5)])
+    trainer = Box(None, 1.0, remote_group="trainer")
+    a = Box(None, 0.0, remote_group="a")
+    sync_weights(trainer, a, only_changed=True)
+    opened = [c["opened"] for r in a.weight_sync_channels()() for c in r["receivers"].values()]
+    b = Box(None, 0.0, remote_group="b")
+    trainer.set_version(2.0)()
+    stats = sync_weights(trainer, [a, b], only_changed=True)
+    assert (a.version()(), b.version()()) == (2.0, 2.0)
+    assert stats.receivers == 2
+    stats = sync_weights(trainer, [a, b], only_changed=True)  # nothing changed: nothing sent
+    assert stats.bytes == 0
+    assert [c["opened"] for r in a.weight_sync_channels()() for c in r["receivers"].values()] == opened
