@@ -5,12 +5,10 @@ only_changed, the bytes each end moves, and channels closed with their owners.""
 from __future__ import annotations
 
 import pytest
-import torch
-
-import twinkle_ray
-from twinkle_ray import DeviceGroup
-from twinkle_ray.weights import WeightSync, sync_weights
 from weights_helpers import LayoutSampler, LayoutTrainer, expected_digests, model_bytes
+
+from twinkle_ray import DeviceGroup
+from twinkle_ray.weights import WeightSync
 
 LAYOUTS = [  # (tp, pp, dp) -> samplers, sampler tp
     ((1, 1, 1), 1, 1),

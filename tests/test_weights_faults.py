@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 
-import twinkle_ray
 from twinkle_ray import DeviceGroup, WorkerDiedError, remote_class, remote_function
 from twinkle_ray.weights import WeightSyncMixin, sync_weights
 

@@ -27,6 +27,7 @@ True
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -121,12 +122,15 @@ class WeightSyncMixin:
         """The slabs this rank holds (called on every rank of the trainer, at set-up and each sync).
 
         Default: ``self.model``'s state dict; a DTensor (FSDP2 / tensor parallel) gives its local
-        rows. Override for a layout of your own -- a Megatron rank returns its TP shards under the
+        rows. A class that overrides the older ``weight_sync_tensors()`` is served from it (full
+        tensors of each lane: the ``gathered-source`` path, logged). Override for a layout of your own -- a Megatron rank returns its TP shards under the
         receivers' names, fused QKV / gate-up split with :func:`~twinkle_ray.weights.fused_slabs`::
 
             def weight_sync_shards(self):
                 return [Slab("lm_head.weight", self.head_shard, (vocab, hidden), 0, self.tp_rank * rows)]
         """
+        if type(self).weight_sync_tensors is not WeightSyncMixin.weight_sync_tensors:
+            return self._weight_sync_gathered()  # a class still written to the older hook
         model = getattr(self, "model", None)
         if model is None or not hasattr(model, "state_dict"):
             raise NotImplementedError(f"{type(self).__name__}: set self.model to a torch module or override "
@@ -159,26 +163,20 @@ class WeightSyncMixin:
             raise NotImplementedError(f"{type(self).__name__}: set self.model or override weight_sync_tensors()")
         return _gathered(model)
 
-    def _weight_sync_slabs(self, materialise: bool = True) -> tuple[list[Slab], str]:
-        """(slabs, path): this rank's slabs and which path serves them."""
-        if type(self).weight_sync_tensors is WeightSyncMixin.weight_sync_tensors:
-            return list(self.weight_sync_shards()), "resharded"
+    def _weight_sync_gathered(self) -> list[Slab]:
+        """The older path: full tensors from ``weight_sync_tensors()`` on the ranks ``weight_sync_lane()``
+        names (every rank calls it: it may be a collective; a lazy source is iterated in step)."""
+        self.__dict__["_twinkle_ws_path"] = "gathered-source"
         lane, _ = self.weight_sync_lane()
-        tensors = self.weight_sync_tensors()  # may be a collective: every rank calls it
-        if hasattr(tensors, "metadata"):
-            if lane is None or not materialise:
-                if materialise:
-                    for _ in tensors:  # in step with the lanes' gathers
-                        pass
-                if lane is None:
-                    return [], "gathered-source"
-                import torch
+        tensors = self.weight_sync_tensors()
+        items = list(tensors) if hasattr(tensors, "metadata") else list(tensors.items())
+        return [Slab(n, t.detach()) for n, t in items] if lane is not None else []
 
-                return [Slab(n, torch.empty(s, dtype=d if not isinstance(d, str) else getattr(torch, d),
-                                            device="meta")) for n, d, s in tensors.metadata()], "gathered-source"
-            tensors = dict(tensors)
-        items = tensors.items() if isinstance(tensors, dict) else tensors
-        return ([Slab(n, t.detach()) for n, t in items] if lane is not None else []), "gathered-source"
+    def _weight_sync_slabs(self) -> tuple[list[Slab], str]:
+        """(slabs, path): this rank's slabs and which path served them."""
+        self.__dict__["_twinkle_ws_path"] = "resharded"
+        slabs = list(self.weight_sync_shards())
+        return slabs, self.__dict__.pop("_twinkle_ws_path", "resharded")
 
     # -- receiver hooks -------------------------------------------------------------------------
     def weight_sync_fanout(self, op: str, *args: Any) -> list:
@@ -254,9 +252,11 @@ class WeightSyncMixin:
         channel, on ranks that hold slabs). Target: one dict per receiver of this worker."""
         import torch
 
-        if role != "source":
-            return [{**f, "rank": get_rank()} for f in self.weight_sync_fanout("probe")]
-        slabs, path = self._weight_sync_slabs(materialise=False)
+        if role != "source":  # a receiver without an id of its own (a sampler's own probe) gets this worker's
+            me = f"{os.getpid()}x{id(self):x}"
+            return [{"wants": None, **f, "uid": f.get("uid") or f"{me}-{f.get('index', 0)}", "rank": get_rank()}
+                    for f in self.weight_sync_fanout("probe")]
+        slabs, path = self._weight_sync_slabs()
         state = self._ws_state()
         end = state["sources"].get(channel)
         if slabs and end is None:
@@ -300,6 +300,7 @@ class WeightSyncMixin:
                 end.refuse(setup["plan"], get_rank(), f"{type(self).__name__} rank {get_rank()}: {e}")
                 raise
         try:
+            setup = {**setup, "gang": gang, "rank": get_rank()}  # receivers find their place by it
             return [int(x) for x in self.weight_sync_fanout("join", channel, setup)]
         except SetupRefused:
             raise

@@ -92,6 +92,11 @@ class ReceiverEnd:
         open new ones in the global order, close the rest. Returns how many pairs it opened now."""
         plan, backend, timeout_s = setup["plan"], setup["backend"], float(setup["timeout_s"])
         mine = plan["receivers"].get(self.uid)
+        if mine is None and "rank" in setup:  # a receiver the sampler probed for (a vLLM worker): by its slot
+            slot = [setup.get("gang", 0), setup["rank"], self.index]
+            for uid, r in plan["receivers"].items():
+                if list(r["slot"]) == slot:
+                    self.uid, mine = uid, r
         if mine is None:
             raise RuntimeError(f"weight sync channel {channel!r}: the plan has no place for receiver {self.uid} "
                                f"(index {self.index}); was it rebuilt after the plan was made?")
