@@ -242,7 +242,7 @@ class WeightSyncMixin:
     # -- this worker's ends ---------------------------------------------------------------------
     def _ws_state(self) -> dict:
         return self.__dict__.setdefault("_twinkle_ws", {"sources": {}, "plans": {}, "tracking": set(),
-                                                        "names": {}})
+                                                        "names": {}, "joined": {}, "metas": {}})
 
     # -- remote endpoints (called by WeightSync) ------------------------------------------------
     @remote_function(dispatch="all", collect="flatten")
@@ -261,6 +261,7 @@ class WeightSyncMixin:
         end = state["sources"].get(channel)
         if slabs and end is None:
             end = state["sources"][channel] = SourceEnd(channel, timeout_s)
+        state["metas"][channel] = [s.meta() for s in slabs]  # what the plan is made of: checked each sync
         addr, port = end.endpoint.address if end is not None else (node_ip(), 0)
         replica = 0 if path == "gathered-source" else int(self.weight_sync_replica())
         return [{"rank": get_rank(), "replica": replica, "slabs": [s.meta() for s in slabs], "addr": addr,
@@ -287,6 +288,7 @@ class WeightSyncMixin:
         if role == "source":
             state = self._ws_state()
             state["names"][channel] = set(setup["plan"]["names"])
+            state["joined"][channel] = None  # the next send checks every rank joined (all or nothing)
             end = state["sources"].get(channel)
             if end is None:
                 return []
@@ -294,10 +296,10 @@ class WeightSyncMixin:
                 before = end.opened
                 end.join(setup["plan"], get_rank(), setup["backend"])
                 return [end.opened - before]
-            except SetupRefused:
-                raise
-            except Exception as e:
-                end.refuse(setup["plan"], get_rank(), f"{type(self).__name__} rank {get_rank()}: {e}")
+            except BaseException as e:
+                state["joined"][channel] = f"trainer rank {get_rank()}: {type(e).__name__}: {e}"
+                if not isinstance(e, SetupRefused):
+                    end.refuse(setup["plan"], get_rank(), f"{type(self).__name__} rank {get_rank()}: {e}")
                 raise
         try:
             setup = {**setup, "gang": gang, "rank": get_rank()}  # receivers find their place by it
@@ -323,12 +325,23 @@ class WeightSyncMixin:
         error: BaseException | None = None
         path = "resharded"
         try:
+            if channel in state["joined"]:  # a set-up ran before this send: did every rank join?
+                refused = [x for x in _all_gather(state["joined"].pop(channel)) if x]
+                if refused:
+                    raise SetupRefused(f"weight sync: the set-up failed ({refused[0]}); nothing was sent")
             known = state["names"].get(channel)
             if names is not None and known is not None:
                 missing = [n for n in names if n not in known]
                 if missing:
                     raise KeyError(f"weight sync: unknown tensor name(s) {missing[:5]} (of {len(missing)})")
             slabs, path = self._weight_sync_slabs()
+            planned = state["metas"].get(channel)
+            now = [x.meta() for x in slabs]
+            if planned is not None and now != planned:
+                old, new = {m[0] for m in planned}, {m[0] for m in now}
+                raise ValueError(f"weight sync: the tensors of trainer rank {get_rank()} changed since the plan "
+                                 f"(new: {sorted(new - old)[:5]}, gone: {sorted(old - new)[:5]}, or other "
+                                 f"shapes/dtypes); nothing was sent, the next sync makes a new plan")
         except Exception as e:
             error = e
             if end is not None:
@@ -361,7 +374,8 @@ class WeightSyncMixin:
         stats = SyncStats(tensors=len({n for _, f in sent for n in f["names"]}),
                           bytes=sum(f["bytes"] for _, f in sent), buckets=sum(f["buckets"] for _, f in sent),
                           seconds=max((f["seconds"] for _, f in sent), default=0.0),
-                          names=sorted({n for _, f in sent for n in f["names"]}), backend="",
+                          names=sorted({n for _, f in sent for n in f["names"]}),
+                          backend=next((f["backend"] for _, f in sent), ""),
                           receivers=max((f["receivers"] for _, f in sent), default=0), lanes=len(sent),
                           path=path, sent_bytes={f"rank {r}": w for r, _, w, _ in parts},
                           payload_bytes={f"rank {r}": f["bytes"] for r, f in sent})

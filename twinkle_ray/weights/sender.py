@@ -41,6 +41,7 @@ class SourceEnd:
         self.pieces: dict[str, list] = {}  # pair -> its pieces (this rank's part of the plan)
         self.receiver_of: dict[str, str] = {}  # pair -> receiver id
         self.sent: dict[str, dict[str, Any]] = {}  # receiver id -> tensor name -> fingerprint last sent
+        self.backend = ""
         self.opened = 0  # pairs opened over this end's life (a diagnostic: what a rejoin rebuilt)
         self.syncs = 0
 
@@ -48,6 +49,7 @@ class SourceEnd:
         """Bring this rank's pairs in line with ``plan``: keep the healthy ones, close those no longer
         planned, open the new ones (in the global order). Returns this rank's pair keys."""
         mine = sorted(plan["senders"].get(rank, []), key=pair_order)
+        self.backend = backend
         for key in [k for k in self.pairs if k not in mine]:
             self.pairs.pop(key).close()
             self.sent.pop(self.receiver_of.pop(key, ""), None)
@@ -146,7 +148,7 @@ class SourceEnd:
         if error is not None:
             raise error
         return {"bytes": total, "buckets": nbuckets, "seconds": time.perf_counter() - start,
-                "names": sorted(names_sent), "receivers": len(jobs)}
+                "names": sorted(names_sent), "receivers": len(jobs), "backend": self.backend}
 
     def _wait(self, key: str, work: Any) -> BaseException | None:
         from datetime import timedelta
