@@ -195,3 +195,63 @@ def expected_digests(version: float, tp: int, rank: int, layers: int = 4, scale:
         else:
             out[n] = digest(rows(t, 1 if n.endswith("down.weight") else 0, rank % tp, tp))
     return out
+
+
+# ------------------------------------------------------------------------------ in-process ends
+class InProcess:
+    """A trainer end and ``n`` receiver ends in this process (threads), joined by a plan: the transport
+    without gangs. ``send(src, ...)`` runs one sync; each receiver's ``consume`` gets its buckets."""
+
+    def __init__(self, src: dict, consumers: list, timeout_s: float = 20.0):
+        import threading
+
+        from twinkle_ray.weights import ReceiverEnd, Slab
+        from twinkle_ray.weights.plan import build_plan
+        from twinkle_ray.weights.sender import SourceEnd
+
+        self.threading = threading
+        self.source = SourceEnd("ws-t", timeout_s)
+        self.slabs = [Slab(n, t) for n, t in src.items()]
+        self.ends = [ReceiverEnd(c, index=0) for c in consumers]
+        addr, port = self.source.endpoint.address
+        sources = [{"rank": 0, "replica": 0, "addr": addr, "port": port, "slabs": [s.meta() for s in self.slabs]}]
+        plan = build_plan(sources, [[{"rank": i, "index": 0, "uid": e.uid, "wants": None}]
+                                    for i, e in enumerate(self.ends)])
+        self.setup = {"plan": plan, "backend": "gloo", "timeout_s": timeout_s}
+        self.both(lambda: self.source.join(plan, 0, "gloo"), [lambda e=e: e.join("ws-t", self.setup) for e in self.ends])
+
+    def both(self, src_fn, recv_fns):
+        """Run the trainer end and the receivers concurrently: (source result, receiver results/errors)."""
+        out: list = [None] * len(recv_fns)
+
+        def wrap(i, fn):
+            try:
+                out[i] = fn()
+            except Exception as e:  # returned for the test to inspect
+                out[i] = e
+
+        threads = [self.threading.Thread(target=wrap, args=(i, f)) for i, f in enumerate(recv_fns)]
+        for t in threads:
+            t.start()
+        try:
+            result = src_fn()
+        finally:
+            for t in threads:
+                t.join(60)
+        return result, out
+
+    def send(self, names=None, bucket_mb: float = 32.0, fail: str | None = None):
+        """One sync of the slabs (``fail``: the trainer end reports this error instead)."""
+        def src():
+            if fail is not None:
+                self.source.fail(fail)
+                return None
+            return self.source.send(self.slabs, set(names) if names is not None else None, None,
+                                    int(bucket_mb * 2**20))
+
+        return self.both(src, [lambda e=e: e.recv("ws-t") for e in self.ends])
+
+    def close(self):
+        self.source.close()
+        for e in self.ends:
+            e.close("ws-t")
