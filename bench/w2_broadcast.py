@@ -13,10 +13,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from weights_helpers import LayoutSampler, LayoutTrainer, stage_layers
 
 from twinkle_ray import get_rank, remote_class, remote_function
 from twinkle_ray.weights.transport import Endpoint, bytes_written
-from weights_helpers import LayoutSampler, LayoutTrainer, stage_layers
 
 BUCKET = 32 << 20
 

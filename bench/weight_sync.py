@@ -39,11 +39,12 @@ LINK_GBPS = 25.0
 
 
 def _one(tp: int, pp: int, dp: int, samplers: int, scale: int, repeats: int) -> dict:
+    from w2_broadcast import BcastSampler, BcastTrainer
+    from weights_helpers import expected_digests, model_bytes
+
     import twinkle_ray
     from twinkle_ray import DeviceGroup
     from twinkle_ray.weights import WeightSync
-    from w2_broadcast import BcastSampler, BcastTrainer
-    from weights_helpers import expected_digests, model_bytes
 
     n = tp * pp * dp
     twinkle_ray.initialize(groups=[DeviceGroup("trainer", n, "cpu", cpus_per_worker=0.1),
