@@ -114,8 +114,11 @@ def projection(params: float = 70e9, bytes_per: int = 2, tp: int = 8, pp: int = 
     resharded = model * engines / ranks  # every rank sends its 1/(tp*pp) to engines/dp engines
     rank0 = model * engines  # rank 0 sends a full copy to every engine (after gathering the model)
     per_stage = model / pp * engines  # each stage's source sends its stage to every engine
+    ring = model  # rank 0 with a pipelined ring broadcast: one copy out of the source, engines forward
     gb = 1e9
     return {"model_gb": model / gb, "ranks": ranks, "engines": engines,
+            "rank0_ring_busiest_gb": ring / gb, "rank0_ring_s": ring / gb / link_gbps,
+            "receiver_gb": model / gb, "receiver_s": model / gb / link_gbps,
             "resharded_busiest_gb": resharded / gb, "resharded_s": resharded / gb / link_gbps,
             "rank0_busiest_gb": rank0 / gb, "rank0_s": rank0 / gb / link_gbps,
             "per_stage_busiest_gb": per_stage / gb, "per_stage_s": per_stage / gb / link_gbps,
@@ -146,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"projection, 70B bf16 tp8xpp4xdp4 -> 32 engines at {LINK_GBPS:g} GB/s per link: busiest process "
           f"{proj['resharded_busiest_gb']:.1f} GB ({proj['resharded_s']:.2f}s) resharded vs "
           f"{proj['rank0_busiest_gb']:.0f} GB ({proj['rank0_s']:.1f}s) rank-0 path, "
-          f"{proj['per_stage_busiest_gb']:.0f} GB ({proj['per_stage_s']:.1f}s) per-stage broadcast source")
+          f"{proj['per_stage_busiest_gb']:.0f} GB ({proj['per_stage_s']:.1f}s) per-stage source sending copies, "
+          f"{proj['rank0_ring_busiest_gb']:.0f} GB ({proj['rank0_ring_s']:.1f}s) rank 0 with a ring broadcast")
     return 0
 
 
