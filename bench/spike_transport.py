@@ -17,8 +17,10 @@ import statistics
 import sys
 import time
 
-import ray
-import torch
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only; read when ray is imported
+
+import ray  # noqa: E402
+import torch  # noqa: E402
 
 
 def wchar() -> int:
@@ -103,8 +105,8 @@ def rdt(mb: int) -> dict:
     io0 = ray.get([a.io.remote(), b.io.remote()])
     s = _time(lambda: ray.get(b.take.remote(a.tensor.remote())))
     io1 = ray.get([a.io.remote(), b.io.remote()])
-    ref = b.take.remote(a.tensor.remote(2.0))  # the sender dies while the receiver waits
     pid = ray.get(a.pid.remote())
+    ref = b.take.remote(a.tensor.remote(2.0))  # the sender dies while the receiver waits
     time.sleep(1.0)
     os.kill(pid, 9)
     t0 = time.perf_counter()
@@ -127,9 +129,9 @@ def pairs(mb: int) -> dict:
     io0 = ray.get([a.io.remote(), b.io.remote()])
     s = _time(lambda: ray.get([a.send.remote(), b.recv.remote()]))
     io1 = ray.get([a.io.remote(), b.io.remote()])
+    pid = ray.get(a.pid.remote())
     a.send.remote(2.0)
     ref = b.recv.remote()
-    pid = ray.get(a.pid.remote())
     time.sleep(1.0)
     os.kill(pid, 9)
     t0 = time.perf_counter()
@@ -150,7 +152,6 @@ def main(argv=None) -> int:
     p.add_argument("--mb", type=int, default=64)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ray.init(address="local", num_cpus=4, runtime_env={"env_vars": {"PYTHONPATH": root}})
     out = {"mb": args.mb, "rdt_gloo": rdt(args.mb), "pairs_gloo": pairs(args.mb)}

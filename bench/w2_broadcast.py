@@ -51,8 +51,10 @@ class BcastTrainer(LayoutTrainer):
     @remote_function(dispatch="all", collect="flatten")
     def bcast_host(self) -> list:
         """Ranks that source a lane host a store for it: [(stage, addr, port)]."""
-        self.tp_groups = [dist.new_group([(s * self.dp) * self.tp + t for t in range(self.tp)])
-                          for s in range(self.pp)]  # every rank creates every group (a collective)
+        self.tp_groups = None
+        if dist.is_initialized() and dist.get_world_size() > 1:  # every rank creates every group
+            self.tp_groups = [dist.new_group([(s * self.dp) * self.tp + t for t in range(self.tp)])
+                              for s in range(self.pp)]
         if self.dp_rank == 0 and self.tp_rank == 0:
             self.ep = Endpoint.host(120)
             return [(self.pp_rank, *self.ep.address)]
@@ -70,11 +72,12 @@ class BcastTrainer(LayoutTrainer):
         w0 = bytes_written()
         payload = 0
         if self.dp_rank == 0:
-            group = self.tp_groups[self.pp_rank]
-            src = dist.get_global_rank(group, 0)
             mine = [(s.name, s.meta(), s.tensor.contiguous()) for s in self.weight_sync_shards()]
-            got = [None] * self.tp if self.tp_rank == 0 else None
-            dist.gather_object(mine, got, dst=src, group=group)
+            got = [mine]
+            if self.tp > 1:
+                group = self.tp_groups[self.pp_rank]
+                got = [None] * self.tp if self.tp_rank == 0 else None
+                dist.gather_object(mine, got, dst=dist.get_global_rank(group, 0), group=group)
             if self.tp_rank == 0:
                 full = {}
                 for part in got:

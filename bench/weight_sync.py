@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 sys.path.insert(0, str(TESTS))
+sys.path.insert(0, str(ROOT / "bench"))
 
 SIZES = [((1, 1, 1), 1), ((2, 2, 1), 2), ((2, 2, 2), 4)]
 LINK_GBPS = 25.0

@@ -32,10 +32,10 @@ Example::
 from .driver import WeightSync, sync_weights
 from .fingerprint import fingerprint
 from .handle import SyncHandle
-from .layout import Slab, Want, fused_slabs
-from .mixin import VLLM_NCCL, TensorSource, WeightSyncMixin, choose_backend
+from .layout import Slab, TensorSource, Want, fused_slabs
+from .mixin import WeightSyncMixin
 from .receiver import ReceiverEnd, load_into
-from .transport import PeerFailed, SetupRefused, SourceFailed, SyncStats
+from .transport import VLLM_NCCL, PeerFailed, SetupRefused, SourceFailed, SyncStats, choose_backend
 
 __all__ = ["VLLM_NCCL", "PeerFailed", "ReceiverEnd", "SetupRefused", "Slab", "SourceFailed", "SyncHandle",
            "SyncStats", "TensorSource", "Want", "WeightSync", "WeightSyncMixin", "choose_backend", "fingerprint",

@@ -14,11 +14,11 @@ unsharded sampler, its own rows along ``dim`` for a tensor-parallel one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Slab", "Want", "fused_slabs", "is_dtensor", "module_slabs", "module_wants", "unwrap"]
+__all__ = ["Slab", "TensorSource", "Want", "fused_slabs", "is_dtensor", "module_slabs", "module_wants", "unwrap"]
 
 
 @dataclass
@@ -144,3 +144,27 @@ def fused_slabs(tensor: Any, blocks: Sequence[tuple[str, Sequence[int], int, int
     if offset != tensor.shape[dim]:
         raise ValueError(f"weight sync: fused blocks cover {offset} of {tensor.shape[dim]} rows along dim {dim}")
     return out
+
+
+class TensorSource:
+    """A lazy, re-iterable source of named tensors (metadata first): what an older
+    ``weight_sync_tensors()`` may return (vLLM's ``WeightSource`` contract).
+
+    >>> import torch
+    >>> src = TensorSource([("w", torch.float32, (2,))], lambda: iter([("w", torch.ones(2))]))
+    >>> [m[0] for m in src.metadata()], [n for n, _ in src]
+    (['w'], ['w'])
+    """
+
+    def __init__(self, specs: Any, produce: Any):
+        self._specs = [(str(n), d, tuple(int(x) for x in s)) for n, d, s in specs]
+        self._produce = produce
+
+    def metadata(self) -> list[tuple[str, Any, tuple[int, ...]]]:
+        return list(self._specs)
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return iter(self._produce())
+
+    def __len__(self) -> int:
+        return len(self._specs)

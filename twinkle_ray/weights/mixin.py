@@ -34,54 +34,22 @@ from typing import Any
 from ..core.context import get_rank
 from ..core.functions import remote_function
 from .fingerprint import fingerprint
-from .layout import Slab, Want, is_dtensor, module_slabs, module_wants, unwrap
+from .layout import Slab, TensorSource, Want, is_dtensor, module_slabs, module_wants, unwrap
 from .plan import build_plan
 from .receiver import ReceiverEnd, load_into, refuse_receivers
 from .sender import SourceEnd
-from .transport import DEFAULT_BUCKET_MB, SetupRefused, SyncStats, bytes_written, node_ip
+from .transport import (
+    DEFAULT_BUCKET_MB,
+    SetupRefused,
+    SyncStats,
+    bytes_written,
+    choose_backend,
+    node_ip,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VLLM_NCCL", "TensorSource", "WeightSyncMixin", "choose_backend"]
-
-VLLM_NCCL = "vllm_nccl"  # a receiver's probe 'transfer': it takes weights only through vLLM's NCCL engine
-
-
-def choose_backend(backend: str | None, source: list[dict], targets: list[list[dict]]) -> str:
-    """``backend`` if given, else ``nccl`` when every end has CUDA, ``gloo`` otherwise.
-
-    >>> choose_backend(None, [{"cuda": True}], [[{"cuda": False}]])
-    'gloo'
-    """
-    if backend is not None:
-        return backend
-    ends = [*source, *[x for gang in targets for x in gang]]
-    return "nccl" if ends and all(x.get("cuda") for x in ends) else "gloo"
-
-
-class TensorSource:
-    """A lazy, re-iterable source of named tensors (metadata first): what an older
-    ``weight_sync_tensors()`` may return (vLLM's ``WeightSource`` contract).
-
-    >>> import torch
-    >>> src = TensorSource([("w", torch.float32, (2,))], lambda: iter([("w", torch.ones(2))]))
-    >>> [m[0] for m in src.metadata()], [n for n, _ in src]
-    (['w'], ['w'])
-    """
-
-    def __init__(self, specs: Any, produce: Any):
-        self._specs = [(str(n), d, tuple(int(x) for x in s)) for n, d, s in specs]
-        self._produce = produce
-
-    def metadata(self) -> list[tuple[str, Any, tuple[int, ...]]]:
-        return list(self._specs)
-
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
-        return iter(self._produce())
-
-    def __len__(self) -> int:
-        return len(self._specs)
-
+__all__ = ["WeightSyncMixin"]
 
 def _gathered(module: Any) -> dict[str, Any]:
     """Full tensors of a module on rank 0 (DTensors gathered: a collective every rank joins)."""

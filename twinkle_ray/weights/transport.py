@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_BUCKET_MB", "DEFAULT_TIMEOUT_S", "PEER_WAIT_S", "Endpoint", "Pair", "PeerFailed",
            "SetupRefused", "SourceFailed", "SyncStats", "bytes_written", "dtype_of", "node_ip", "open_pair",
-           "pair_order", "refuse_pair"]
+           "pair_order", "refuse_pair", "VLLM_NCCL", "choose_backend"]
 
 DEFAULT_BUCKET_MB = 32
 DEFAULT_TIMEOUT_S = 300.0
@@ -277,3 +277,18 @@ def pair_order(key: str) -> tuple[int, str]:
     """The global order pairs are opened in: (sender rank, receiver id)."""
     rank, uid = key.split("-", 1)
     return int(rank), uid
+
+
+VLLM_NCCL = "vllm_nccl"  # a receiver's probe 'transfer': it takes weights only through vLLM's NCCL engine
+
+
+def choose_backend(backend: str | None, source: list[dict], targets: list[list[dict]]) -> str:
+    """``backend`` if given, else ``nccl`` when every end has CUDA, ``gloo`` otherwise.
+
+    >>> choose_backend(None, [{"cuda": True}], [[{"cuda": False}]])
+    'gloo'
+    """
+    if backend is not None:
+        return backend
+    ends = [*source, *[x for gang in targets for x in gang]]
+    return "nccl" if ends and all(x.get("cuda") for x in ends) else "gloo"
