@@ -52,13 +52,17 @@ logger = logging.getLogger(__name__)
 __all__ = ["WeightSyncMixin"]
 
 def _gathered(module: Any) -> dict[str, Any]:
-    """Full tensors of a module on rank 0 (DTensors gathered: a collective every rank joins)."""
+    """Full tensors of a module: a plain one's on every rank; a sharded one's (DTensors) gathered to
+    rank 0, ``{}`` elsewhere (a collective every rank joins)."""
     import torch
 
+    state = unwrap(module).state_dict(keep_vars=False)
+    if not any(is_dtensor(t) for t in state.values()):
+        return dict(state)  # nothing sharded: every rank has the full tensors
     keep = get_rank() == 0
     out: dict[str, Any] = {}
     with torch.no_grad():
-        for name, t in unwrap(module).state_dict(keep_vars=False).items():
+        for name, t in state.items():
             full = t.full_tensor() if is_dtensor(t) else t
             if keep:
                 out[name] = full.detach()

@@ -245,8 +245,8 @@ def _assemble(wants: list, lanes: list, got: dict) -> Iterator[list[tuple[str, A
                 shape = [wl if d == wd else s for d, s in enumerate(full)]
                 part = buf[offset:offset + n]
                 offset += n
-                if expected[k] == 1 and len(bucket) == 1:
-                    out[k] = part.view(shape)  # the whole tensor in one bucket: no copy
+                if expected[k] == 1:
+                    out[k] = part.view(shape)  # the whole tensor in one piece: a view of the bucket, no copy
                 else:
                     if k not in out:
                         out[k] = torch.empty(shape, dtype=buf.dtype, device=buf.device)
