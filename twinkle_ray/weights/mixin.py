@@ -358,7 +358,14 @@ class WeightSyncMixin:
     def weight_sync_recv(self, channel: str) -> list[dict]:
         """Every receiver of this worker takes one sync; their figures. A receiver that fails leaves
         its pairs in step (it drains them) or closes them (the transport broke)."""
-        return list(self.weight_sync_fanout("recv", channel))
+        try:
+            return list(self.weight_sync_fanout("recv", channel))
+        except BaseException:
+            try:  # leave: the trainer ranks waiting for this receiver see its pairs close and go on
+                self.weight_sync_fanout("close", channel)
+            except Exception:  # best effort: the original error is the one to raise
+                logger.debug("weight sync %s: closing a failed receiver failed", channel, exc_info=True)
+            raise
 
     @remote_function(dispatch="all", collect="flatten")
     def weight_sync_ready(self, channel: str, role: str) -> list[bool]:

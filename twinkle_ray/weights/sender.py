@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from .plan import buckets
-from .transport import Endpoint, Pair, open_pair, pair_order, refuse_pair
+from .transport import PEER_WAIT_S, Endpoint, Pair, open_pair, pair_order, refuse_pair, wait_all
 
 logger = logging.getLogger(__name__)
 
@@ -96,20 +96,30 @@ class SourceEnd:
         import torch
 
         start = time.perf_counter()
-        jobs, error = [], None
+        jobs, error, posted_headers = [], None, {}
         for key in sorted(self.pairs, key=pair_order):
             pieces, uid = self.pieces[key], self.receiver_of[key]
             last = self.sent.setdefault(uid, {})
             sel = [i for i, p in enumerate(pieces) if (names is None or slabs[p[1]].name in names)
                    and (prints is None or last.get(slabs[p[1]].name) != prints[slabs[p[1]].name])]
             try:
-                self.pairs[key].send_header({"seq": self.syncs, "pieces": sel, "bucket_bytes": bucket_bytes},
-                                            first=True)
-            except Exception as e:  # this receiver is gone: the others go on
+                posted_headers[key] = self.pairs[key].post_header(
+                    {"seq": self.syncs, "pieces": sel, "bucket_bytes": bucket_bytes})
+            except Exception as e:  # this receiver is gone
                 error = error or e
                 self.pairs.pop(key).close(broken=True)
                 continue
             jobs.append([key, pieces, buckets(pieces, sel, bucket_bytes), sel])
+        # Every receiver reaches the sync in its own time (its gang may be busy): wait for all at
+        # once. A receiver that died ends the sync here for every pair (those still waiting are
+        # closed as broken, so their receivers' waits end too, and the next sync rebuilds them).
+        late, failed = wait_all(posted_headers, PEER_WAIT_S)
+        if failed is not None:
+            for key in late:
+                if key in self.pairs:
+                    self.pairs.pop(key).close(broken=True)
+            self.syncs += 1
+            raise failed
         total, nbuckets = 0, 0
         inflight: list = []
         with torch.no_grad():

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_BUCKET_MB", "DEFAULT_TIMEOUT_S", "PEER_WAIT_S", "Endpoint", "Pair", "PeerFailed",
            "SetupRefused", "SourceFailed", "SyncStats", "bytes_written", "dtype_of", "node_ip", "open_pair",
-           "pair_order", "refuse_pair", "VLLM_NCCL", "choose_backend"]
+           "pair_order", "refuse_pair", "VLLM_NCCL", "choose_backend", "wait_all"]
 
 DEFAULT_BUCKET_MB = 32
 DEFAULT_TIMEOUT_S = 300.0
@@ -209,6 +209,15 @@ class Pair:
         body = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         self.send(body).wait(self.timeout)
 
+    def post_header(self, header: dict) -> list:
+        """Post a header's sends without waiting: [(work, buffer), ...] (see :func:`wait_all`)."""
+        import torch
+
+        data = json.dumps(header).encode()
+        head = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        body = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        return [(self.send(head), head), (self.send(body), body)]
+
     def recv_header(self, first: bool = True) -> dict:
         """Receive a header; raises :class:`SourceFailed` when the sender reported an error."""
         import torch
@@ -292,3 +301,30 @@ def choose_backend(backend: str | None, source: list[dict], targets: list[list[d
         return backend
     ends = [*source, *[x for gang in targets for x in gang]]
     return "nccl" if ends and all(x.get("cuda") for x in ends) else "gloo"
+
+
+def wait_all(works: dict, limit_s: float, poll_s: float = 0.01) -> tuple[list, BaseException | None]:
+    """Wait for every pair's posted works (``works``: key -> [(work, buffer), ...]) together, up to
+    ``limit_s``; stop at the first failure. Returns (keys still pending, the first error or None):
+    one peer's death ends the wait for all, instead of a wait on a busy peer hiding it."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    pending = dict(works)
+    while pending:
+        for key in list(pending):
+            items = pending[key]
+            if all(w.is_completed() for w, _ in items):
+                for w, _ in items:
+                    try:
+                        w.wait()
+                    except Exception as e:  # this peer is gone: the others must not wait on it
+                        pending.pop(key)
+                        return [key, *pending], e
+                pending.pop(key)
+        if pending:
+            if time.monotonic() > deadline:
+                return list(pending), TimeoutError(f"weight sync: pairs {sorted(pending)[:3]} did not take the "
+                                                   f"sync within {limit_s:g}s")
+            time.sleep(poll_s)
+    return [], None
