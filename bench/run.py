@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B9", "B10", "W1")
+ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B9", "B10", "W2")
 # Run only when named: B8 sleeps through a 2 s long-tailed batch several times per mode (95 s
 # with --quick on the loaded 2-core machine, 2026-11-25), too long for the default run.
 ON_REQUEST = ("B8",)
@@ -36,7 +36,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     p.add_argument("--json", action="store_true", help="print JSON on stdout, the table on stderr")
-    p.add_argument("--only", default=",".join(ALL), help="comma list of B1..B10, W1 (B1-B3 run together; B8 only when named)")
+    p.add_argument("--only", default=",".join(ALL), help="comma list of B1..B10, W2 (B1-B3 run together; B8 only when named)")
     p.add_argument("--repeats", type=int, default=None, help="override the repeat count of B1/B6")
     p.add_argument("--report", action="store_true",
                    help="print BENCHMARKS.md (bench.report): from --from files, else from this run")
@@ -78,14 +78,14 @@ def run(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     load_start = os.getloadavg()[0]
     results: list[dict] = []
-    if only - {"W1"}:  # W1 builds a cluster of its own
+    if only - {"W2"}:  # W2 starts its runtimes itself
         _start_ray()
         try:
             results += _in_one_ray(cfg, frozenset(only))
         finally:
             ray.shutdown()
-    if "W1" in only:  # its own 2-raylet cluster: in a process of its own
-        results.append(_w1(args.quick))
+    if "W2" in only:  # in a process of its own
+        results += _w2(args.quick)
     return {
         "mode": "quick" if args.quick else "full",
         "command": "python -m bench" + " ".join(["", *(argv if argv is not None else sys.argv[1:])]),
@@ -151,15 +151,19 @@ def _in_one_ray(cfg, only: frozenset) -> list[dict]:
     return [r for key in selected for r in rows[key]]
 
 
-def _w1(quick: bool) -> dict:
-    """W1 (:mod:`bench.weight_sync`) in a subprocess: it builds a ``Cluster`` of two raylets."""
+def _w2(quick: bool) -> list[dict]:
+    """W2 (:mod:`bench.weight_sync`) in a subprocess: one table row per size."""
     import subprocess
 
-    cmd = [sys.executable, "-m", "bench.weight_sync", "--json", *(["--quick"] if quick else [])]
+    cmd = [sys.executable, "-m", "bench.weight_sync", "--w2", "--json", *(["--quick"] if quick else [])]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
     if out.returncode != 0:
-        raise RuntimeError(f"W1 failed (exit {out.returncode}): {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"W2 failed (exit {out.returncode}): {out.stderr[-2000:]}")
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    return [{"name": f"W2 weight sync {r['model_mb']:.0f} MB {r['size']} (resharded vs broadcast)", "unit": "s",
+             "twinkle_s": r["resharded_s"], "raw_s": r["broadcast_s"], "ratio": r["ratio"], **r,
+             "target": "wall <= 1.05x broadcast, busiest trainer <= 1.1x fair share",
+             "checks": [["ratio", "<=", 1.05], ["busiest_vs_fair", "<=", 1.1]]} for r in data["W2"]]
 
 
 def _fmt_time(seconds: float, unit: str) -> str:
@@ -214,10 +218,11 @@ def table(report: dict) -> str:
                          f"alone {row['sync_s']:.3f} s"
                          + (f"; {row['speedup_vs_sequential']:.2f}x the sequential step rate"
                             if "speedup_vs_sequential" in row else ""))
-        if "bytes_ratio" in row:
-            lines.append(f"   busiest trainer process wrote {row['busiest_stage_mb']:.0f} MB per-stage vs "
-                         f"{row['busiest_rank0_mb']:.0f} MB rank-0 path ({row['bytes_ratio']:.2f}x; "
-                         f"model {row['model_mb']:.0f} MB; twinkle_ray = per-stage, raw = rank-0 path)")
+        if "busiest_vs_fair" in row:
+            lines.append(f"   busiest trainer rank sent {row['busiest_trainer_mb']:.1f} MB ({row['busiest_vs_fair']:.2f}x "
+                         f"fair share); busiest sampler {row['busiest_sampler_mb']:.1f} MB; total "
+                         f"{row['total_mb']:.1f} MB = kept {row['kept_mb']:.1f} MB; broadcast's busiest trainer "
+                         f"{row['broadcast_busiest_trainer_mb']:.1f} MB (twinkle_ray = resharded, raw = broadcast)")
         if "throughput_ratio" in row:
             lines.append(f"{'   throughput, calls/s':<58} {row['twinkle_calls_per_s']:12.0f} "
                          f"{row['raw_calls_per_s']:12.0f} {row['throughput_ratio']:6.2f}x")

@@ -1,24 +1,23 @@
-"""W1: weight sync from a pp=2 trainer gang to 2 receivers across 2 raylets, rank-0 path vs per-stage sources.
+"""W2: weight sync of a 64 MB model from a tp x pp x dp trainer gang to S samplers, resharded vs broadcast.
 
-A ``ray.cluster_utils.Cluster`` of two raylets on this machine (node A: the trainer gang, 2 workers =
-2 pipeline stages of plain torch tensors; node B: the 2 receivers, each holding the whole model, as a
-TP=1 vLLM engine does). The same model (about 400 MB fp32; ``--quick``: 25 MB) is synced both ways in
-one run, through the same receivers:
+Both paths run in the same process, on the same gangs, the same model (Megatron-style fused layout:
+:mod:`tests.weights_helpers`), one after the other:
 
-- rank-0 path: stage 1 sends its layers to rank 0, which broadcasts the whole model (one lane);
-- per-stage: each stage sends its own layers on a lane of its own, both stages in parallel.
+- resharded (the library, :mod:`twinkle_ray.weights`): every trainer rank sends the rows it holds that
+  each receiver keeps, over point-to-point pairs; samplers spread over the data-parallel replicas;
+- broadcast (the path before it, bench-local: :mod:`bench.w2_broadcast`): per pipeline stage, its first
+  TP rank of data rank 0 gathers the stage's TP shards and broadcasts full tensors to every sampler.
 
-Printed: the sync seconds (median of the timed syncs, after a first one that sets the channel up) and
-the bytes written by the busiest trainer process (``SyncStats.sent_bytes``: each process's
-``/proc/self/io`` wchar delta over the sync: the wire bytes of the transfer and of the funnel).
-Target: busiest per-stage <= 0.55x busiest rank-0 path (DESIGN section 10: 1/pp + 0.05).
+Printed per size: wall time of a sync (median of the timed ones, after a first that sets up) and its
+ratio to broadcast, bytes sent by the busiest trainer process (payload) against the fair share
+(total / trainer ranks), bytes received by the busiest sampler, total bytes; the broadcast's figures
+beside. Then a projection for a 70B model (tp8 x pp4 x dp4 -> 32 engines, 25 GB/s per link).
 
 Usage::
 
-    python -m bench.weight_sync            # ~400 MB, 3 timed syncs per path
-    python -m bench.weight_sync --quick    # ~25 MB, 2 timed syncs per path
-    python -m bench.weight_sync --json
-    python -m bench --only W1 [--quick]    # the same, as a row of the bench table
+    python -m bench.weight_sync --w2            # 64 MB, sizes 1x1->1, tp2xpp2->2, tp2xpp2xdp2->4
+    python -m bench.weight_sync --w2 --quick    # ~6.5 MB
+    python -m bench.weight_sync --w2 --json
 """
 
 from __future__ import annotations
@@ -31,170 +30,128 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from twinkle_ray import DeviceMesh, remote_class, remote_function
-from twinkle_ray.weights import WeightSync, WeightSyncMixin
-
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = 6
+TESTS = ROOT / "tests"
+sys.path.insert(0, str(TESTS))
+sys.path.insert(0, str(ROOT / "bench"))
+
+SIZES = [((1, 1, 1), 1), ((2, 2, 1), 2), ((2, 2, 2), 4)]
+LINK_GBPS = 25.0
 
 
-def layer_names(stage: int, stages: int = 2) -> list[str]:
-    per = LAYERS // stages
-    return [f"layers.{i}.weight" for i in range(stage * per, (stage + 1) * per)]
+def _one(tp: int, pp: int, dp: int, samplers: int, scale: int, repeats: int) -> dict:
+    from w2_broadcast import BcastSampler, BcastTrainer
+    from weights_helpers import expected_digests, model_bytes
 
+    import twinkle_ray
+    from twinkle_ray import DeviceGroup
+    from twinkle_ray.weights import WeightSync
 
-def layer_tensor(name: str, width: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(int(name.split(".")[1]) + 1)
-    return torch.randn(width, width, generator=g)
-
-
-@remote_class()
-class StageSource(WeightSyncMixin):
-    """A pp=2 trainer of plain tensors: each rank holds its stage's layers (``funnel``: the rank-0 path)."""
-
-    def __init__(self, width: int, funnel: bool, device_mesh: DeviceMesh):
-        self.width, self.funnel = width, funnel
-        self.pp, self.stage = device_mesh.get_dim_size("pp"), device_mesh.get_local_rank("pp")
-        self.tensors = {n: layer_tensor(n, width) for n in layer_names(self.stage, self.pp)}
-
-    def weight_sync_lane(self):
-        return super().weight_sync_lane() if self.funnel else (self.stage, self.pp)
-
-    def weight_sync_tensors(self) -> dict:
-        if not self.funnel:
-            return self.tensors  # this stage's own layers, on its own lane
-        import torch.distributed as dist
-
-        if self.stage > 0:  # the funnel: stage k's layers go to rank 0 first
-            for t in self.tensors.values():
-                dist.send(t, dst=0)
-            return {}
-        out = dict(self.tensors)
-        for stage in range(1, self.pp):
-            for n in layer_names(stage, self.pp):
-                out[n] = torch.empty(self.width, self.width)
-                dist.recv(out[n], src=stage)
-        return out
-
-
-@remote_class()
-class FullReceiver(WeightSyncMixin):
-    """A receiver holding the whole model (as a TP=1 vLLM engine does)."""
-
-    def __init__(self, width: int, device_mesh: DeviceMesh):
-        self.width = width
-        self.state = {n: torch.zeros(width, width) for s in range(2) for n in layer_names(s)}
-
-    def weight_sync_targets(self) -> dict:
-        return self.state
-
-    @remote_function(dispatch="all", collect="none")
-    def correct(self) -> bool:
-        return all(torch.equal(t, layer_tensor(n, self.width)) for n, t in self.state.items())
-
-    @remote_function(dispatch="all")
-    def clear(self) -> None:
-        for t in self.state.values():
-            t.zero_()
-
-
-def _path(funnel: bool, width: int, repeats: int, receivers) -> dict:
-    """One path: its trainer gang, a first sync (channel set-up), then ``repeats`` timed syncs."""
-    mesh = DeviceMesh.from_sizes(pp_size=2, device_type="cpu")
-    trainer = StageSource(width, funnel, device_mesh=mesh, remote_group="w1_trainer")
-    ws = WeightSync(trainer, receivers)
+    n = tp * pp * dp
+    twinkle_ray.initialize(groups=[DeviceGroup("trainer", n, "cpu", cpus_per_worker=0.1),
+                                   DeviceGroup("sampler", samplers, "cpu", cpus_per_worker=0.1)],
+                           num_cpus=8, runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                               [str(ROOT), str(TESTS), str(ROOT / "bench")])}})
     try:
-        nodes = {r["node_id"] for r in trainer.topology()["ranks"]}
-        receivers.clear()()
+        trainer = BcastTrainer(None, tp, pp, dp, version=1.0, scale=scale, remote_group="trainer")
+        sampler = BcastSampler(None, 1, scale=scale, remote_group="sampler")
+        size = model_bytes(hidden=64 * scale, ff=128 * scale, vocab=256 * scale)
+        # resharded
+        ws = WeightSync(trainer, sampler, timeout_s=300)
         ws.sync()
-        assert all(receivers.correct()()), "a receiver's weights differ from the trainer's"
-        times, busiest, stats = [], [], None
-        for _ in range(repeats):
+        times, stats = [], None
+        for r in range(repeats):
+            trainer.set_version(2.0 + r)()
             t0 = time.perf_counter()
             stats = ws.sync()
             times.append(time.perf_counter() - t0)
-            busiest.append(stats.busiest_sent)
-        return {"sync_s": statistics.median(times), "busiest_bytes": statistics.median(busiest),
-                "sent_bytes": stats.sent_bytes, "lanes": stats.lanes, "payload_bytes": stats.bytes,
-                "nodes": nodes}
-    finally:
+        ok = sampler.digests()() == [expected_digests(1.0 + repeats, 1, i, scale=scale) for i in range(samplers)] \
+            if samplers > 1 else sampler.digests()() == expected_digests(1.0 + repeats, 1, 0, scale=scale)
+        recv = ws.channels()
         ws.close()
-        trainer.close()
-
-
-def run(argv: list[str] | None = None) -> dict:
-    """Build the cluster, sync both ways, tear it all down; return the W1 row."""
-    p = argparse.ArgumentParser(prog="python -m bench.weight_sync", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="~25 MB instead of ~400 MB")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    width, repeats = (1024, 2) if args.quick else (4096, 3)  # 6 layers of width^2 fp32
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
-    import ray
-    from ray.cluster_utils import Cluster
-
-    import twinkle_ray as twinkle
-    from twinkle_ray import DeviceGroup
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    cluster.add_node(num_cpus=2)
-    try:
-        ray.init(address=cluster.address, namespace="twinkle-bench", log_to_driver=False,
-                 logging_level="WARNING")
-        twinkle.initialize("ray", namespace="twinkle-bench", groups=[
-            DeviceGroup("w1_trainer", 2, "cpu", strategy="STRICT_PACK"),
-            DeviceGroup("w1_receivers", 2, "cpu", strategy="STRICT_PACK")])
-        receivers = FullReceiver(width, device_mesh=DeviceMesh.from_sizes(dp_size=2, device_type="cpu"),
-                                 remote_group="w1_receivers")
-        nodes = {r["node_id"] for r in receivers.topology()["ranks"]}
-        rank0 = _path(True, width, repeats, receivers)
-        stages = _path(False, width, repeats, receivers)
-        assert len(nodes) == 1 and not nodes & (rank0["nodes"] | stages["nodes"]), "not across 2 raylets"
+        # broadcast (the old path), same gangs
+        lanes = trainer.bcast_host()()
+        twinkle_ray.get([trainer.bcast_join(samplers), sampler.bcast_join(lanes, samplers)])
+        btimes, bsend, brecv = [], None, None
+        for r in range(repeats + 1):
+            trainer.set_version(10.0 + r)()
+            t0 = time.perf_counter()
+            s, rc = trainer.bcast_send(), sampler.bcast_recv(pp, 4)
+            bsend, brecv = s(), rc()
+            if r:
+                btimes.append(time.perf_counter() - t0)
+        bok = sampler.digests()() == ([expected_digests(10.0 + repeats, 1, i, scale=scale) for i in range(samplers)]
+                                      if samplers > 1 else expected_digests(10.0 + repeats, 1, 0, scale=scale))
     finally:
-        twinkle.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
-    model_mb = LAYERS * width * width * 4 / 1e6
-    ratio = stages["busiest_bytes"] / rank0["busiest_bytes"]
+        twinkle_ray.shutdown()
+    payload = stats.payload_bytes
+    total = stats.bytes
+    fair = total / n
+    busiest_recv = total // samplers  # every full sampler keeps the model: the plan sends it once each
+    bb = max(x["payload"] for x in bsend)
     return {
-        "name": f"W1 weight sync {model_mb:.0f} MB, pp=2 -> 2 receivers, 2 raylets (per-stage vs rank-0)",
-        "unit": "s", "twinkle_s": stages["sync_s"], "raw_s": rank0["sync_s"],
-        "ratio": stages["sync_s"] / rank0["sync_s"], "model_mb": model_mb,
-        "busiest_stage_mb": stages["busiest_bytes"] / 1e6, "busiest_rank0_mb": rank0["busiest_bytes"] / 1e6,
-        "bytes_ratio": ratio, "sent_bytes_stage": stages["sent_bytes"], "sent_bytes_rank0": rank0["sent_bytes"],
-        "lanes": [rank0["lanes"], stages["lanes"]],
-        "target": "busiest process <= 0.55x rank-0 path", "checks": [["bytes_ratio", "<=", 0.55]],
+        "size": f"tp{tp}xpp{pp}xdp{dp}->{samplers}", "model_mb": size / 2**20, "bit_exact": bool(ok and bok),
+        "resharded_s": statistics.median(times), "broadcast_s": statistics.median(btimes),
+        "ratio": statistics.median(times) / statistics.median(btimes),
+        "busiest_trainer_mb": max(payload.values()) / 2**20, "fair_share_mb": fair / 2**20,
+        "busiest_vs_fair": max(payload.values()) / fair, "senders": len(payload),
+        "busiest_sampler_mb": busiest_recv / 2**20, "total_mb": total / 2**20,
+        "kept_mb": size * samplers / 2**20,
+        "broadcast_busiest_trainer_mb": bb / 2**20,
+        "broadcast_busiest_trainer_written_mb": max(x["written"] for x in bsend) / 2**20,
+        "broadcast_busiest_sampler_mb": max(x["received"] for x in brecv) / 2**20,
+        "broadcast_total_mb": sum(x["payload"] for x in bsend) * samplers / 2**20,
+        "resharded_written_mb": max(stats.sent_bytes.values()) / 2**20,
+        "pairs": sum(c["pairs"] for r in recv["trainer"] for c in r["sources"].values()),
     }
 
 
-def describe(row: dict) -> str:
-    """The row in words (what ``python -m bench.weight_sync`` prints)."""
-    return (f"{row['name']}\n"
-            f"  sync seconds: rank-0 path {row['raw_s']:.2f} s, per-stage {row['twinkle_s']:.2f} s "
-            f"({row['ratio']:.2f}x)\n"
-            f"  busiest trainer process wrote: rank-0 path {row['busiest_rank0_mb']:.0f} MB, per-stage "
-            f"{row['busiest_stage_mb']:.0f} MB ({row['bytes_ratio']:.2f}x; target <= 0.55x)\n"
-            f"  per process, rank-0 path: {_mb(row['sent_bytes_rank0'])}; per-stage: {_mb(row['sent_bytes_stage'])}")
-
-
-def _mb(sent: dict) -> str:
-    return ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in sorted(sent.items()))
+def projection(params: float = 70e9, bytes_per: int = 2, tp: int = 8, pp: int = 4, dp: int = 4,
+               engines: int = 32, link_gbps: float = LINK_GBPS) -> dict:
+    """The busiest process's bytes per sync and its time at ``link_gbps`` per link, resharded vs the
+    rank-0 path (one rank gathers and sends every engine a full copy) and the per-stage broadcast."""
+    model = params * bytes_per
+    ranks = tp * pp * dp
+    resharded = model * engines / ranks  # every rank sends its 1/(tp*pp) to engines/dp engines
+    rank0 = model * engines  # rank 0 sends a full copy to every engine (after gathering the model)
+    per_stage = model / pp * engines  # each stage's source sends its stage to every engine
+    ring = model  # rank 0 with a pipelined ring broadcast: one copy out of the source, engines forward
+    gb = 1e9
+    return {"model_gb": model / gb, "ranks": ranks, "engines": engines,
+            "rank0_ring_busiest_gb": ring / gb, "rank0_ring_s": ring / gb / link_gbps,
+            "receiver_gb": model / gb, "receiver_s": model / gb / link_gbps,
+            "resharded_busiest_gb": resharded / gb, "resharded_s": resharded / gb / link_gbps,
+            "rank0_busiest_gb": rank0 / gb, "rank0_s": rank0 / gb / link_gbps,
+            "per_stage_busiest_gb": per_stage / gb, "per_stage_s": per_stage / gb / link_gbps,
+            "gain_vs_rank0": rank0 / resharded, "gain_vs_per_stage": per_stage / resharded}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    row = run(argv)
-    if "--json" in (argv if argv is not None else sys.argv[1:]):
-        print(describe(row), file=sys.stderr)
-        print(json.dumps(row))
-    else:
-        print(describe(row))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--w2", action="store_true", help="the W2 rows (the default)")
+    p.add_argument("--quick", action="store_true", help="~6.5 MB instead of 64 MB")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    scale = 3 if args.quick else 10
+    rows = [_one(*layout, samplers, scale, args.repeats) for layout, samplers in SIZES]
+    proj = projection()
+    if args.json:
+        print(json.dumps({"W2": rows, "projection": proj}))
+        return 0
+    print(f"W2: {rows[0]['model_mb']:.1f} MB model; resharded (pairs) vs broadcast (per-stage gather + bcast)")
+    print(f"{'size':<18}{'wall s':>9}{'bcast s':>9}{'ratio':>7}{'busiest tr MB':>15}{'fair MB':>9}"
+          f"{'x fair':>7}{'busiest smp MB':>16}{'total MB':>10}{'kept MB':>9}{'bcast busiest tr':>18}{'exact':>7}")
+    for r in rows:
+        print(f"{r['size']:<18}{r['resharded_s']:>9.3f}{r['broadcast_s']:>9.3f}{r['ratio']:>7.2f}"
+              f"{r['busiest_trainer_mb']:>15.1f}{r['fair_share_mb']:>9.1f}{r['busiest_vs_fair']:>7.2f}"
+              f"{r['busiest_sampler_mb']:>16.1f}{r['total_mb']:>10.1f}{r['kept_mb']:>9.1f}"
+              f"{r['broadcast_busiest_trainer_mb']:>18.1f}{str(r['bit_exact']):>7}")
+    print(f"projection, 70B bf16 tp8xpp4xdp4 -> 32 engines at {LINK_GBPS:g} GB/s per link: busiest process "
+          f"{proj['resharded_busiest_gb']:.1f} GB ({proj['resharded_s']:.2f}s) resharded vs "
+          f"{proj['rank0_busiest_gb']:.0f} GB ({proj['rank0_s']:.1f}s) rank-0 path, "
+          f"{proj['per_stage_busiest_gb']:.0f} GB ({proj['per_stage_s']:.1f}s) per-stage source sending copies, "
+          f"{proj['rank0_ring_busiest_gb']:.0f} GB ({proj['rank0_ring_s']:.1f}s) rank 0 with a ring broadcast")
     return 0
 
 

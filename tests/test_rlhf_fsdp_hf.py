@@ -53,7 +53,7 @@ def _gather_worker(rank: int, port: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from twinkle_ray.weights import _module_tensors
+    from twinkle_ray.weights.layout import module_slabs
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -63,18 +63,20 @@ def _gather_worker(rank: int, port: int, out_dir: str) -> None:
         reference = {k: v.clone() for k, v in model.state_dict().items()}
         fully_shard(model, mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",)))
         sharded = type(next(iter(model.state_dict().values()))).__name__
-        got = _module_tensors(model)
-        row = {"sharded": sharded, "names": list(got),
-               "equal": all(torch.equal(got[k], reference[k]) for k in got),
-               "plain": all(type(t) is torch.Tensor for t in got.values())}
+        slabs = module_slabs(model)
+        row = {"sharded": sharded, "metas": [s.meta() for s in slabs],
+               "equal": all(torch.equal(s.tensor, reference[s.name].narrow(s.dim, s.start, s.tensor.shape[s.dim]))
+                            for s in slabs),
+               "plain": all(type(s.tensor) is torch.Tensor for s in slabs)}
         Path(out_dir, f"{rank}.json").write_text(json.dumps(row))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_module_tensors_gather_fsdp2_shards_on_rank0(tmp_path):
-    """``_module_tensors`` of a ``fully_shard`` model: full tensors on rank 0, ``{}`` elsewhere."""
+def test_module_slabs_of_fsdp2_shards_are_each_ranks_own_rows(tmp_path):
+    """``module_slabs`` of a ``fully_shard`` model: every rank its own rows of every tensor, nothing
+    gathered (what a weight sync sends from each rank)."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -83,9 +85,12 @@ def test_module_tensors_gather_fsdp2_shards_on_rank0(tmp_path):
     mp.spawn(_gather_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
     rows = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     assert rows[0]["sharded"] == rows[1]["sharded"] == "DTensor"
-    assert rows[0]["names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    assert rows[0]["equal"] and rows[0]["plain"]
-    assert rows[1]["names"] == []
+    for row in rows:
+        assert [m[0] for m in row["metas"]] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+        assert row["equal"] and row["plain"]
+    # the two ranks' rows cover every tensor once (torch's Shard(0): ceil chunks)
+    for a, b in zip(rows[0]["metas"], rows[1]["metas"], strict=True):
+        assert a[4] == 0 and b[4] == a[5] and a[5] + b[5] == a[2][0], (a, b)
 
 
 # ------------------------------------------------------------------------------ the gangs

@@ -1,5 +1,8 @@
-"""Weight sync: the channel protocol in-process, and ~50 M parameters through real gangs,
-bit-identical on every sampler worker (time and bandwidth are printed; run with -s)."""
+"""Weight sync semantics: the pairs in-process (buckets, dtypes, subsets, errors, timeouts), resharded
+transfer bit-exact for every W2 layout (tp x pp x dp trainers of Megatron-style fused layouts -> full or
+tensor-parallel samplers), the plan replayed, ~50 M parameters through real gangs, names and
+only_changed, receivers behind a fan-out hook (an engine's workers) and FSDP2 receivers loading into
+their own shards, and ``wait=False`` taking its place in both gangs' call order."""
 
 from __future__ import annotations
 
@@ -9,11 +12,19 @@ import time
 
 import pytest
 import torch
+from weights_helpers import InProcess, LayoutSampler, LayoutTrainer, expected_digests, model_bytes
 
 import twinkle_ray
 from conftest import leftovers
 from twinkle_ray import DeviceGroup, DeviceMesh, remote_class, remote_function
-from twinkle_ray.weights import WeightChannel, WeightSyncMixin, fingerprint, sync_weights
+from twinkle_ray.weights import (
+    ReceiverEnd,
+    SourceFailed,
+    WeightSync,
+    WeightSyncMixin,
+    fingerprint,
+    sync_weights,
+)
 
 
 def big_model(seed: int) -> torch.nn.Module:
@@ -36,105 +47,140 @@ def digests(tensors: dict) -> dict[str, str]:
             for n, t in tensors.items()}
 
 
-# ------------------------------------------------------------------------------ in-process protocol
-def _pair(n_receivers: int = 2, timeout_s: float = 20.0):
-    host = WeightChannel.host(1 + n_receivers, timeout_s, host_ip="127.0.0.1")
-    addr, port = host.address
-    recv = [WeightChannel.connect(addr, port, r, 1 + n_receivers, timeout_s) for r in range(1, 1 + n_receivers)]
-    threads = [threading.Thread(target=c.join, args=("gloo",)) for c in recv]
-    for t in threads:
-        t.start()
-    host.join("gloo")
-    for t in threads:
-        t.join()
-    return host, recv
+# ------------------------------------------------------------------------------ in-process: the pairs
+def _collect(store: dict):
+    def consume(buckets):
+        for items in buckets:
+            store.update({n: t.clone() for n, t in items})
+    return consume
 
 
-def _run(host_fn, recv_fns):
-    """Run the source and the receivers concurrently; return (source result, receiver results/errors)."""
-    out: list = [None] * len(recv_fns)
-
-    def wrap(i, fn):
-        try:
-            out[i] = fn()
-        except Exception as e:  # returned for the test to inspect
-            out[i] = e
-
-    threads = [threading.Thread(target=wrap, args=(i, f)) for i, f in enumerate(recv_fns)]
-    for t in threads:
-        t.start()
-    try:
-        result = host_fn()
-    finally:
-        for t in threads:
-            t.join(60)
-    return result, out
-
-
-def test_channel_buckets_dtypes_subsets_and_changes():
+def test_pairs_buckets_dtypes_and_subsets():
     src = {"a": torch.randn(300, 100), "b": torch.randn(50).to(torch.bfloat16), "c": torch.arange(10),
            "d": torch.randn(1000, 300)}
-    dst = [{k: torch.zeros_like(v) for k, v in src.items()} for _ in range(2)]
-    host, recv = _pair()
+    got = [{}, {}]
+    ch = InProcess(src, [_collect(g) for g in got])
     try:
-        stats, errs = _run(lambda: host.send(src.items(), bucket_mb=0.5),
-                           [lambda c=c, d=d: c.recv(d) for c, d in zip(recv, dst, strict=True)])
-        assert not any(isinstance(e, Exception) for e in errs), errs
-        assert stats.tensors == 4 and stats.buckets == 4  # 'd' (1.2 MB) is its own bucket
-        for d in dst:
-            assert digests(d) == digests(src)
-
-        stats, _ = _run(lambda: host.send(src.items(), names=["c"]), [lambda c=c, d=d: c.recv(d)
-                                                                       for c, d in zip(recv, dst, strict=True)])
-        assert stats.names == ["c"]
-
-        # only_changed: the first such sync sends everything, then only what changed.
-        def changed():
-            return _run(lambda: host.send(src.items(), only_changed=True),
-                        [lambda c=c, d=d: c.recv(d) for c, d in zip(recv, dst, strict=True)])[0]
-
-        assert changed().tensors == 4
-        assert changed().tensors == 0
-        src["d"][3, 7] += 1.0
-        src["b"][0] = -src["b"][0]
-        assert sorted(changed().names) == ["b", "d"]
-        for d in dst:
-            assert digests(d) == digests(src)
+        stats, figs = ch.send(bucket_mb=0.5)
+        assert not any(isinstance(f, Exception) for f in figs), figs
+        assert stats["buckets"] == 2 * 4  # per receiver: 'a', 'b' (another dtype), 'c', 'd' (1.2 MB alone)
+        for g in got:
+            assert digests(g) == digests(src)
+        assert all(f["tensors"] == 4 and f["bytes"] == sum(t.numel() * t.element_size() for t in src.values())
+                   for f in figs)
+        stats, figs = ch.send(names=["c"])
+        assert stats["names"] == ["c"] and all(f["tensors"] == 1 for f in figs)
     finally:
-        host.close()
-        for c in recv:
-            c.close()
+        ch.close()
 
 
-def test_channel_errors_reach_every_end_without_hanging():
+def test_pairs_errors_reach_every_end_without_hanging():
     src = {"w": torch.randn(4, 4)}
-    host, recv = _pair()
+    ok, bad = {"w": torch.zeros(4, 4)}, {"w": torch.zeros(2, 8)}
+    from twinkle_ray.weights import load_into
+
+    def loader(targets):
+        def consume(buckets):
+            problems = [p for items in buckets for p in load_into(targets, items)]
+            if problems:
+                raise ValueError("; ".join(problems))
+        return consume
+
+    ch = InProcess(src, [loader(ok), loader(bad)])
     try:
-        # An unknown name: the source raises, the receivers are told (not left waiting).
-        with pytest.raises(KeyError, match="nope"):
-            _, errs = _run(lambda: host.send(src.items(), names=["nope"]), [lambda c=c: c.recv({}) for c in recv])
-        # A receiver whose tensor does not fit still takes the whole sync, then raises.
-        ok = {"w": torch.zeros(4, 4)}
-        bad = {"w": torch.zeros(2, 8)}
-        stats, errs = _run(lambda: host.send(src.items()), [lambda: recv[0].recv(ok), lambda: recv[1].recv(bad)])
-        assert stats.tensors == 1 and torch.equal(ok["w"], src["w"])
+        _, errs = ch.send(fail="the source could not gather")  # the sender's error reaches every receiver
+        assert all(isinstance(e, SourceFailed) and "could not gather" in str(e) for e in errs)
+        stats, errs = ch.send()  # a receiver whose tensor does not fit still takes the whole sync, then raises
+        assert stats["receivers"] == 2 and torch.equal(ok["w"], src["w"])
         assert isinstance(errs[1], ValueError) and "shape" in str(errs[1])
+        _, errs = ch.send()  # the pairs are still in step
+        assert not isinstance(errs[0], Exception)
     finally:
-        host.close()
-        for c in recv:
-            c.close()
+        ch.close()
 
 
-def test_channel_timeout():
-    host, recv = _pair(n_receivers=1, timeout_s=2.0)
+def test_pair_wait_is_bounded_and_a_gone_peer_ends_it():
+    from datetime import timedelta
+
+    ch = InProcess({"w": torch.randn(4)}, [lambda b: None], timeout_s=2.0)
     try:
+        pair = next(iter(ch.ends[0].channels["ws-t"].pairs.values()))
+        pair.peer_wait = timedelta(seconds=2)
         start = time.monotonic()
         with pytest.raises(Exception, match="(?i)timed? ?out"):
-            recv[0].recv({})  # nobody sends
+            ch.ends[0].recv("ws-t")  # nobody sends
         assert time.monotonic() - start < 30
     finally:
-        host.close()
-        recv[0].close()
+        ch.close()
+    ch = InProcess({"w": torch.randn(4)}, [lambda b: None], timeout_s=60.0)
+    threading.Timer(1.0, ch.source.close).start()  # the sender leaves while the receiver waits
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        ch.ends[0].recv("ws-t")
+    assert time.monotonic() - start < 30
+    ch.close()
+
+
+def test_receive_drains_what_the_consumer_leaves_and_raises_its_error():
+    src = {"a": torch.randn(100, 100), "b": torch.randn(100, 100), "c": torch.randn(10)}
+
+    def stops_early(buckets):
+        next(buckets)
+        raise RuntimeError("engine refused the weights")
+
+    got: dict = {}
+    first = {"n": 0}
+
+    def consume(buckets):
+        first["n"] += 1
+        if first["n"] == 1:
+            stops_early(buckets)
+        _collect(got)(buckets)
+
+    ch = InProcess(src, [consume])
+    try:
+        stats, errs = ch.send(bucket_mb=0.05)
+        assert stats["buckets"] == 2  # a | b + c: the consumer takes the first only
+        assert isinstance(errs[0], RuntimeError) and "engine refused" in str(errs[0])
+        stats, figs = ch.send(bucket_mb=0.05)  # the pairs are still in step
+        assert figs[0]["tensors"] == 3 and digests(got) == digests(src)
+    finally:
+        ch.close()
+
+
+def test_receiver_end_rejects_unknown_ops_and_places_not_planned():
+    end = ReceiverEnd(lambda buckets: None, index=1)
+    with pytest.raises(ValueError, match="unknown receiver operation 'send'"):
+        end.call("send")
+    with pytest.raises(RuntimeError, match="the plan has no place for receiver"):
+        end.call("join", "ws-x", {"plan": {"receivers": {}}, "backend": "gloo", "timeout_s": 5.0})
+    with pytest.raises(RuntimeError, match="not set up in this receiver"):
+        end.call("recv", "ws-x")
+    facts = end.call("probe")
+    assert facts["index"] == 1 and facts["uid"] == end.uid and end.call("ready", "ws-x") is False
+
+
+def test_plan_sends_each_row_once_spreads_replicas_and_is_replayed():
+    from twinkle_ray.weights.plan import build_plan
+
+    def src(rank, replica, start):
+        return {"rank": rank, "replica": replica, "addr": "h", "port": rank,
+                "slabs": [["w", "float32", [4, 2], 0, start, 2], ["n", "float32", [2], 0, 0, 2]]}
+
+    sources = [src(0, 0, 0), src(1, 0, 2), src(2, 1, 0), src(3, 1, 2)]  # tp2 x dp2; 'n' replicated over tp
+    rx = [[{"rank": i, "index": 0, "uid": f"u{i}", "wants": None} for i in range(2)]]
+    cache: dict = {}
+    plan = build_plan(sources, rx, cache)
+    senders = {k: {p["sender"] for key, p in plan["pairs"].items() if key.endswith(k)} for k in ("u0", "u1")}
+    assert senders == {"u0": {0, 1}, "u1": {2, 3}}  # each receiver pulls from one replica
+    for uid in ("u0", "u1"):
+        sent = sum(x[4] for p in plan["pairs"].values() if p["receiver"] == uid for x in p["pieces"])
+        assert sent == 4 * 2 + 2  # every row once: w whole, n from one tp rank only
+    again = build_plan(sources, [[{**r, "uid": r["uid"] + "x"} for r in rx[0]]], cache)
+    assert again["replayed"] and not plan["replayed"]  # same layouts, new ids: the plan is replayed
+    wants = [["w", "float32", [4, 2], 0, 2, 2]]  # a TP receiver keeping rows 2..3 of w
+    tp = build_plan(sources[:2], [[{"rank": 0, "index": 0, "uid": "t", "wants": wants}]])
+    assert list(tp["pairs"]) == ["1-t"]  # only the rank holding those rows sends
 
 
 def test_fingerprint_sees_single_bit_changes():
@@ -146,6 +192,55 @@ def test_fingerprint_sees_single_bit_changes():
     v = t.clone()
     v[[0, 1]] = v[[1, 0]]  # a swap keeps the plain sum
     assert fingerprint(v) != base
+
+
+LAYOUTS = [  # (tp, pp, dp) -> samplers, sampler tp
+    ((1, 1, 1), 1, 1),
+    ((2, 2, 1), 2, 1),
+    ((2, 2, 2), 4, 1),
+    ((2, 1, 1), 2, 2),  # a tensor-parallel sampler: each worker keeps its own rows
+]
+
+
+def _gangs(runtime, tp, pp, dp, samplers, sampler_tp):
+    n = tp * pp * dp
+    runtime.initialize(groups=[DeviceGroup("trainer", n, "cpu", cpus_per_worker=0.25),
+                               DeviceGroup("sampler", samplers, "cpu", cpus_per_worker=0.25)])
+    trainer = LayoutTrainer(None, tp, pp, dp, version=1.0, remote_group="trainer")
+    sampler = LayoutSampler(None, sampler_tp, remote_group="sampler")
+    return trainer, sampler
+
+
+def _check(sampler, version, sampler_tp):
+    got = sampler.digests()()
+    got = got if isinstance(got, list) else [got]
+    for rank, d in enumerate(got):
+        assert d == expected_digests(version, sampler_tp, rank), f"sampler rank {rank} differs"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"tp{x[0][0]}pp{x[0][1]}dp{x[0][2]}-to-{x[1]}x{x[2]}")
+def test_resharded_sync_is_bit_exact_and_sends_each_byte_once(runtime, layout):
+    (tp, pp, dp), samplers, sampler_tp = layout
+    trainer, sampler = _gangs(runtime, tp, pp, dp, samplers, sampler_tp)
+    ws = WeightSync(trainer, sampler, timeout_s=60)
+    stats = ws.sync()
+    _check(sampler, 1.0, sampler_tp)
+    assert stats.path == "resharded"
+    if sampler_tp == 1:  # total bytes sent = what the samplers keep: a full model each
+        assert stats.bytes == model_bytes() * samplers
+    per_rank = stats.payload_bytes
+    assert len(per_rank) == tp * pp * dp  # every rank sent: nothing gathered to a source
+    fair = stats.bytes / len(per_rank)
+    assert max(per_rank.values()) <= 1.1 * fair + 4096
+    # the plan is replayed: a second sync of a new version, same pairs
+    before = ws.channels()["trainer"]
+    trainer.set_version(2.0)()
+    ws.sync()
+    _check(sampler, 2.0, sampler_tp)
+    after = ws.channels()["trainer"]
+    assert [r["sources"] for r in before] == [r["sources"] for r in after]
+    ws.close()
 
 
 # ------------------------------------------------------------------------------ through gangs
@@ -223,7 +318,7 @@ def test_sync_only_changed_and_named_subsets_through_gangs(gangs):
     sync_weights(trainer, sampler, only_changed=True)  # starts tracking: sends everything
     trainer.bump("steps")()
     stats = sync_weights(trainer, sampler, only_changed=True)
-    assert stats.names == ["steps"] and stats.bytes == 7 * 8
+    assert stats.names == ["steps"] and stats.bytes == 2 * 7 * 8  # once to each of the 2 receivers
     _check_identical(trainer, sampler)
     trainer.bump("1.bias")()
     stats = sync_weights(trainer, sampler, names=["1.bias"])
@@ -234,44 +329,6 @@ def test_sync_only_changed_and_named_subsets_through_gangs(gangs):
     trainer.bump("0.weight")()
     sync_weights(trainer, sampler)  # the channel recovers after a failed sync
     _check_identical(trainer, sampler)
-
-
-# ------------------------------------------------------------------------------ receivers: the fan-out hook
-def test_receiver_end_rejects_unknown_ops_and_missing_ranks():
-    from twinkle_ray.weights import ReceiverEnd, WeightSync
-
-    end = ReceiverEnd(lambda buckets: None, index=1)
-    with pytest.raises(ValueError, match="unknown receiver operation 'send'"):
-        end.call("send")
-    with pytest.raises(RuntimeError, match="no rank for receiver index 1"):
-        end.call("join", "ws-x", "127.0.0.1", 1, [[0, 1]], 2, "gloo", 5.0)
-    with pytest.raises(RuntimeError, match="not set up in this receiver"):
-        end.call("recv", "ws-x")
-    assert end.call("probe")["index"] == 1 and end.call("ready", "ws-x") is False
-    # Ranks are handed out once, by the driver: gang, worker, then receiver index order.
-    plan = WeightSync._rank_plan([[{"rank": 1, "index": 0}, {"rank": 0, "index": 1}, {"rank": 0, "index": 0}],
-                                  [{"rank": 0, "index": 0}]])
-    assert plan == [{0: [[0, 1], [1, 2]], 1: [[0, 3]]}, {0: [[0, 4]]}]
-
-
-def test_receive_drains_what_the_consumer_leaves_and_raises_its_error():
-    src = {"a": torch.randn(100, 100), "b": torch.randn(100, 100), "c": torch.randn(10)}
-    host, recv = _pair(n_receivers=1)
-    try:
-        def stops_early(buckets):
-            next(buckets)
-            raise RuntimeError("engine refused the weights")
-
-        stats, errs = _run(lambda: host.send(src.items(), bucket_mb=0.05), [lambda: recv[0].receive(stops_early)])
-        assert stats.buckets == 2  # a | b + c: the consumer takes the first only
-        assert isinstance(errs[0], RuntimeError) and "engine refused" in str(errs[0])
-        got = {}
-        stats, errs = _run(lambda: host.send(src.items(), bucket_mb=0.05),  # the channel is still in step
-                           [lambda: recv[0].receive(lambda bs: got.update({n: t.clone() for b in bs for n, t in b}))])
-        assert errs[0].tensors == 3 and digests(got) == digests(src)
-    finally:
-        host.close()
-        recv[0].close()
 
 
 def _small_model(seed: int) -> torch.nn.Module:

@@ -210,6 +210,48 @@ class LlamaSpec:
             return None
         return 1 if rest in _ROW_PARALLEL else 0
 
+    def hf_blocks(self, name: str, local_shape: tuple, layer_offset: int, tp_rank: int,
+                  tp: int) -> tuple[int, list[tuple[str, tuple, int, int]]]:
+        """Where TP rank ``tp_rank``'s shard of Megatron parameter ``name`` lies in the HF tensors:
+        (dim, [(HF name, HF full shape, start along dim, length), ...] in the shard's own order).
+        What a weight sync sends instead of gathering: each block is a view of the shard.
+
+        - norms (replicated): the whole tensor; ``output_layer`` of tied embeddings: nothing;
+        - ``linear_qkv``: per local query group, its q rows, k rows and v rows;
+        - ``linear_fc1``: this rank's gate rows, then its up rows;
+        - row-parallel (``linear_proj``, ``linear_fc2``): its columns; vocab-parallel: its rows.
+        """
+        dim = self.tp_dim(name)
+        m = _LAYER.match(name)
+        rest = m.group(2) if m else name
+        n_local = int(local_shape[0]) if local_shape else 1
+        if not m:
+            if name == "output_layer.weight" and self.tied:
+                return 0, []
+            full = (self.vocab, self.hidden) if name != "decoder.final_layernorm.weight" else (self.hidden,)
+            return 0, [(_TOP[name], full, 0 if dim is None else tp_rank * n_local, n_local)]
+        i = int(m.group(1)) + layer_offset
+        if dim is None:
+            return 0, [(self._hf_layer(i, _LAYER_1TO1[rest]), tuple(local_shape), 0, n_local)]
+        if rest in _ROW_PARALLEL:
+            hf = self._hf_layer(i, _LAYER_1TO1[rest])
+            cols = int(local_shape[1])
+            return 1, [(hf, (int(local_shape[0]), cols * tp), tp_rank * cols, cols)]
+        if rest == "mlp.linear_fc1.weight":
+            per = self.ffn // tp
+            return 0, [(self._hf_layer(i, f"mlp.{x}_proj.weight"), (self.ffn, self.hidden), tp_rank * per, per)
+                       for x in ("gate", "up")]
+        if rest == "self_attention.linear_qkv.weight":
+            d, ng, per = self.head_dim, self.kv_heads, self.heads // self.kv_heads
+            q_full, kv_full = (self.heads * d, self.hidden), (ng * d, self.hidden)
+            out = []
+            for g in range(tp_rank * ng // tp, (tp_rank + 1) * ng // tp):
+                out += [(self._hf_layer(i, "self_attn.q_proj.weight"), q_full, g * per * d, per * d),
+                        (self._hf_layer(i, "self_attn.k_proj.weight"), kv_full, g * d, d),
+                        (self._hf_layer(i, "self_attn.v_proj.weight"), kv_full, g * d, d)]
+            return 0, out
+        raise KeyError(f"hf_megatron: Megatron parameter {name!r} has no HF name")
+
     def hf_from_shards(self, name: str, shards: list[Any], layer_offset: int) -> list[tuple[str, Any]]:
         """The HF-named full tensors of Megatron parameter ``name`` from its TP shards (rank order)."""
         import torch

@@ -26,15 +26,14 @@ the same code on CUDA with NCCL):
   ``finalize_model_grads``) and Megatron's optimizer (``get_megatron_optimizer``,
   fp32 Adam(W) with Megatron's gradient clipping). All of them run on CPU given
   the workarounds of :mod:`megatron_cpu`, which are active only on CPU.
-- Weight sync: every pipeline stage is a source of its own layers (its first
-  TP rank of data rank 0 sends on lane = its stage, the stages in parallel; no
-  copy of stage k's layers to rank 0). ``weight_sync_tensors`` is lazy: HF
-  names and full shapes first, then the TP shards all-gathered one bucket at
-  a time (one collective per bucket) as the channel reaches them, so the
-  gather of bucket i+1 overlaps the send of bucket i; full fp32 CPU tensors in
-  HF names, what vLLM's layer-wise reload takes. ``sync_sources="rank0"``
-  keeps the old path (stages sent to rank 0, which sends everything) for
-  comparison. ``save_hf`` writes the gathered weights as an HF checkpoint.
+- Weight sync, resharded: every rank sends its own TP/PP shard as HF-named
+  slabs (``weight_sync_shards``: the fused QKV split per query group into q/k/v
+  rows, fc1 into gate/up rows, row-parallel tensors by columns; nothing is
+  gathered), each engine pulls from one data-parallel replica, and the engines
+  assemble full HF tensors, what vLLM's layer-wise reload takes.
+  ``sync_sources="rank0"`` keeps the old gathered path (stages sent to rank 0,
+  which sends everything) for comparison. ``save_hf`` writes the gathered
+  weights as an HF checkpoint.
 
 Megatron is imported only when a trainer is built; without it the constructor
 raises MissingDependency naming ``bash scripts/setup.sh rlhf``.
@@ -52,7 +51,7 @@ from examples.vllm_megatron.common import require
 from examples.vllm_megatron.hf_megatron import LlamaSpec, load_hf_state
 from examples.vllm_megatron.megatron_cpu import cpu_megatron, seed_model_parallel
 from twinkle_ray import DeviceMesh, get_rank, remote_class, remote_function
-from twinkle_ray.weights import TensorSource, WeightSyncMixin
+from twinkle_ray.weights import Slab, TensorSource, WeightSyncMixin, fused_slabs
 
 INSTALL = "bash scripts/setup.sh rlhf (megatron-core==0.16.1)"
 SUPPORTED_DIMS = ("pp", "dp", "tp")
@@ -463,6 +462,23 @@ class MegatronTrainer(WeightSyncMixin):
         self.last_gather = {"gather_s": time.perf_counter() - start, "gather_mb": nbytes / 2**20,
                             "tensors": len(full)}
         return full, self.last_gather
+
+    def weight_sync_shards(self) -> list[Slab]:
+        """This rank's own Megatron shards as HF-named slabs (no gather): fused QKV split per query
+        group into q/k/v rows, fc1 into gate/up rows, row-parallel tensors by columns
+        (``LlamaSpec.hf_blocks``). ``sync_sources='rank0'``: the old gathered path, for comparison."""
+        if self.sync_sources == "rank0":
+            return super().weight_sync_shards()
+        out: list[Slab] = []
+        for name, p in self.model[0].module.named_parameters():
+            dim, blocks = self.spec.hf_blocks(name, tuple(p.shape), self.layer_offset, self.tp_rank, self.tp)
+            if blocks:
+                out += fused_slabs(p.detach().float(), blocks, dim)
+        return out
+
+    def weight_sync_replica(self) -> int:
+        """Data-parallel replicas hold the same shards: receivers spread over them."""
+        return self.dp_rank
 
     def weight_sync_lane(self) -> tuple[int | None, int]:
         """Every PP stage's first TP rank (data rank 0) sends its stage's layers, on lane = its stage

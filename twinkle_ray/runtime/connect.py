@@ -51,28 +51,39 @@ LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def start_embedded(namespace: str | None, kwargs: dict) -> None:
-    """Start a private local Ray whose every server listens on 127.0.0.1.
+    """Start a private local Ray whose every server listens on 127.0.0.1, whatever was imported first.
 
     ``address='local'`` starts a new instance whatever ``/tmp/ray/ray_current_cluster`` names
-    (a stopped ``ray start`` cluster leaves it behind). ``LOOPBACK_ENV=0`` is set while ray is
-    imported and started (the started processes inherit it), unless the caller set it; if ray
-    was imported before without it, Ray's node address is already fixed: we warn and go on.
+    (a stopped ``ray start`` cluster leaves it behind). ``LOOPBACK_ENV=0`` is set while Ray is
+    started (the processes it starts inherit it and read it themselves), unless the caller set it.
+
+    Ray reads ``LOOPBACK_ENV`` into a module constant when ``ray`` is first imported; a script that
+    imported ray (or anything importing it) before ``initialize()`` has that constant fixed already.
+    Ray has no public means to change it afterwards, nor a public ``ray.init`` argument for the node
+    address (``_node_ip_address='127.0.0.1'`` is private *and* turned back into the external
+    address), so, only in that case and only while ``ray.init`` runs, the constant Ray itself reads
+    (``ray._private.ray_constants.ENABLE_RAY_CLUSTER``, a private Ray attribute -- no Ray function
+    is replaced) is set as the environment variable would have set it, then restored.
     """
     saved = os.environ.get(LOOPBACK_ENV)
     if saved is None:
         os.environ[LOOPBACK_ENV] = "0"
+    constants = sys.modules.get("ray._private.ray_constants")  # imported before us: already read
+    flipped = saved is None and constants is not None and getattr(constants, "ENABLE_RAY_CLUSTER", False)
     try:
         import ray
 
+        if flipped:
+            constants.ENABLE_RAY_CLUSTER = False  # private Ray attribute: see the docstring
         node_ip = ray.util.get_node_ip_address()
-        if saved is None and not is_loopback(node_ip):
-            logger.warning(
-                "twinkle_ray: ray was imported before initialize() without %s=0, so the embedded Ray "
-                "listens on %s, not only on 127.0.0.1; set %s=0 before importing ray (or import "
-                "ray after initialize()) to keep it on loopback", LOOPBACK_ENV, node_ip, LOOPBACK_ENV)
+        if not is_loopback(node_ip):
+            logger.warning("twinkle_ray: the embedded Ray will listen on %s, not only on 127.0.0.1 (%s=%s)",
+                           node_ip, LOOPBACK_ENV, os.environ.get(LOOPBACK_ENV))
         kwargs.setdefault("dashboard_host", "127.0.0.1")
         kwargs.setdefault("log_to_driver", True)
         ray.init(address="local", namespace=namespace, **kwargs)
     finally:
+        if flipped:
+            constants.ENABLE_RAY_CLUSTER = True
         if saved is None:
             os.environ.pop(LOOPBACK_ENV, None)

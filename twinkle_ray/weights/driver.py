@@ -1,0 +1,296 @@
+"""The driver API: :func:`sync_weights`, :class:`WeightSync`.
+
+A :class:`WeightSync` is one trainer -> samplers channel. Its set-up is four calls, made at once and
+in each gang's order (nothing waits on the driver): ``weight_sync_probe`` on every gang (the
+trainer's slabs, the receivers' wants), ``weight_sync_plan`` on the trainer's rank 0 (the plan, from
+the probes, passed as routed results), and ``weight_sync_join`` on every gang (each end keeps its
+healthy pairs, opens the new ones, closes the rest). A sync is ``weight_sync_send`` on the trainer
+and ``weight_sync_recv`` on each sampler gang. The set-up runs again only when a gang was rebuilt,
+a sync failed, or the samplers changed -- and then only the pairs of what changed are opened.
+
+Channels belong to the runtime: a WeightSync is closed by :meth:`WeightSync.close`, by the close of
+any of its gangs (``GangProxy.on_close``) and by ``shutdown()`` (``Runtime.own``). ``sync_weights``
+keeps one WeightSync per trainer in a registry the runtime owns, and closes the one it replaces.
+
+>>> # ws = WeightSync(trainer, [sampler_a, sampler_b], timeout_s=120)
+>>> # ws.sync(); h = ws.sync(only_changed=True, wait=False); ...; twinkle_ray.get(h); ws.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from .handle import SyncHandle
+from .transport import DEFAULT_BUCKET_MB, DEFAULT_TIMEOUT_S, SyncStats
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["WeightSync", "sync_weights"]
+
+CLOSE_WAIT_S = 10.0  # closing a channel: how long each gang gets to leave it
+
+
+def _is_gang(obj: Any) -> bool:
+    from ..runtime.proxy import GangProxy
+
+    return isinstance(obj, GangProxy)
+
+
+class WeightSync:
+    """Driver-side handle of one trainer -> samplers weight channel (see the module docstring).
+
+    Timeouts: a pair's first wait in a sync (the other gang may still be running earlier calls) is
+    not timed (a death ends it at once); every later step is bounded by ``timeout_s``, and so is the
+    set-up. ``wait=True`` bounds the whole sync by ``timeout_s + 30`` s.
+    """
+
+    def __init__(self, source: Any, targets: Any, *, backend: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, bucket_mb: float = DEFAULT_BUCKET_MB):
+        self.source = source
+        self.targets = list(targets) if isinstance(targets, list | tuple) else [targets]
+        self.backend, self.timeout_s, self.bucket_mb = backend, timeout_s, bucket_mb
+        self.channel = f"ws-{uuid.uuid4().hex[:10]}"
+        self.backend_used: str | None = backend
+        self.closed = False
+        self._ok = False
+        self._reset = False  # after a failure: the senders forget what each receiver holds
+        self._generations: tuple = ()
+        self._last: SyncHandle | None = None
+        self._remote = _is_gang(source)
+        if any(_is_gang(t) != self._remote for t in self.targets):
+            raise TypeError("WeightSync: source and targets must all be gangs or all be local objects")
+        if self._remote:
+            self._watch(self.source, *self.targets)
+
+    def _watch(self, *gangs: Any) -> None:
+        """Closed with any of ``gangs`` and with the runtime (weakly: a dropped WeightSync is not kept)."""
+        from ..runtime.session import current
+
+        ref = weakref.ref(self)
+
+        def close() -> None:
+            ws = ref()
+            if ws is not None:
+                ws.close()
+
+        for g in gangs:
+            g.on_close(close)
+        rt = current()
+        if rt is not None:
+            rt.own(self)
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Build (or bring up to date) every end's pairs now."""
+        if not self._remote:
+            self._ok = True
+            return
+        SyncHandle(self, self._open(), None, self.timeout_s + 30).get()
+        self._ok = True
+
+    def _open(self) -> list[tuple[Any, Any]]:
+        """Submit the set-up calls (nothing waits here); returns them as (gang, LazyResult) ends."""
+        src = self.source.weight_sync_probe("source", self.channel, self.timeout_s)
+        tgt = [g.weight_sync_probe("target") for g in self.targets]
+        setup = self.source.weight_sync_plan(self.channel, self.backend, self.timeout_s, src, *tgt)
+        joins = [(self.source, self.source.weight_sync_join(self.channel, setup, "source"))]
+        joins += [(g, g.weight_sync_join(self.channel, setup, "target", i)) for i, g in enumerate(self.targets)]
+        self._generations = self._gang_generations()
+        return [(self.source, src), *zip(self.targets, tgt, strict=True), (self.source, setup), *joins]
+
+    def _gang_generations(self) -> tuple:
+        """Which build of each gang runs now (its dispatcher answers at once): a rebuilt gang holds no pairs."""
+        out = []
+        for g in [self.source, *self.targets]:
+            try:
+                t = g.topology()
+                out.append((t["dispatcher_id"], t["generation"]))
+            except Exception:  # gone: the sync will say so
+                out.append(None)
+        return tuple(out)
+
+    def _check(self) -> None:
+        """Whether the set-up must run again, found without waiting on any gang call."""
+        last = self._last
+        if last is not None and last.done():
+            try:
+                last.get()  # finished: reading it never waits
+            except Exception:  # kept in the handle for its owner; it marked the channel for set-up
+                pass
+        if self._ok and self._gang_generations() != self._generations:
+            self._ok = False
+
+    def failed(self) -> None:
+        """A sync failed: the next one sets up again (only broken pairs are rebuilt) and sends everything."""
+        self._ok = False
+        self._reset = True
+
+    def retarget(self, targets: Sequence[Any]) -> None:
+        """Sync to ``targets`` from now on: gangs no longer named leave the channel; new ones join at
+        the next sync. The trainer's endpoints and the remaining samplers' pairs are kept."""
+        targets = list(targets)
+        gone = [g for g in self.targets if all(g is not t for t in targets)]
+        new = [t for t in targets if all(t is not g for g in self.targets)]
+        self._leave(gone)
+        self.targets = targets
+        if new:
+            self._watch(*new)
+        self._ok = False
+
+    # -- syncs ----------------------------------------------------------------------------------
+    def sync(self, *, names: Sequence[str] | None = None, only_changed: bool = False,
+             wait: bool = True) -> SyncStats | SyncHandle:
+        """Send the trainer's weights (all, ``names``, or the changed ones) to every receiver.
+
+        ``wait=False``: returns a :class:`SyncHandle` at once; the sync runs in both gangs' call order
+        (after their calls made so far, before later ones).
+        """
+        if self.closed:
+            raise RuntimeError(f"weight sync {self.channel} is closed")
+        if not self._remote:
+            stats = _local_sync(self.source, self.targets, names)
+            return stats if wait else SyncHandle.finished(stats)
+        self._check()
+        ends = [] if self._ok else self._open()
+        names = list(names) if names is not None else None
+        ends.append((self.source, self.source.weight_sync_send(self.channel, names, only_changed, self.bucket_mb,
+                                                               self._reset)))
+        result = len(ends) - 1
+        ends += [(g, g.weight_sync_recv(self.channel)) for g in self.targets]
+        self._ok, self._reset = True, False  # later syncs replay it; a failure seen marks it again
+        handle = self._last = SyncHandle(self, ends, result, self.timeout_s + 30 if wait else None)
+        return handle.get() if wait else handle
+
+    def channels(self) -> dict:
+        """Diagnostics: per gang (``'trainer'``, ``'sampler 0'``, ...), each rank's pairs and how many
+        it opened over its life (see ``WeightSyncMixin.weight_sync_channels``)."""
+        from ..runtime.session import get
+
+        out = {"trainer": get(self.source.weight_sync_channels(), self.timeout_s)}
+        for i, g in enumerate(self.targets):
+            out[f"sampler {i}"] = get(g.weight_sync_channels(), self.timeout_s)
+        return out
+
+    # -- closing --------------------------------------------------------------------------------
+    def _leave(self, gangs: list) -> None:
+        from ..runtime.session import get
+
+        calls = []
+        for g in gangs:
+            try:
+                calls.append(g.weight_sync_close(self.channel))
+            except Exception:  # closed or dead: nothing to leave
+                logger.debug("weight sync %s: close on %r failed", self.channel, g, exc_info=True)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for c in calls:
+            try:
+                get(c, max(0.1, deadline - time.monotonic()))
+            except Exception:  # a dead gang has nothing to close
+                logger.debug("weight sync %s: close failed", self.channel, exc_info=True)
+
+    def close(self) -> None:
+        """Close the channel on every gang (best effort, bounded): pairs and endpoints. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._ok = False
+        if not self._remote:
+            return
+        from ..runtime.session import current
+
+        self._leave([self.source, *self.targets])
+        rt = current()
+        if rt is not None:
+            rt.disown(self)
+        logger.info("weight sync %s: closed", self.channel)
+
+
+def _local_sync(source: Any, targets: list, names: Sequence[str] | None) -> SyncStats:
+    """In-process objects (local mode): copy tensors directly."""
+    import torch
+
+    start = time.perf_counter()
+    items = [(s.name, s.tensor) for s in source.weight_sync_shards()]
+    if names is not None:
+        wanted = set(names)
+        items = [(n, t) for n, t in items if n in wanted]
+    with torch.no_grad():
+        for t in targets:
+            t.weight_sync_receive(iter([[(n, v.detach()) for n, v in items]]))
+    nbytes = sum(v.numel() * v.element_size() for _, v in items)
+    return SyncStats(tensors=len(items), bytes=nbytes, buckets=0, seconds=time.perf_counter() - start,
+                     names=[n for n, _ in items], backend="local", receivers=len(targets), path="local")
+
+
+class Registry:
+    """The WeightSyncs ``sync_weights`` made, one per trainer; owned by the runtime (closed at shutdown)."""
+
+    def __init__(self) -> None:
+        self.entries: list[WeightSync] = []
+
+    def find(self, trainer: Any) -> WeightSync | None:
+        self.entries = [ws for ws in self.entries if not ws.closed]
+        return next((ws for ws in self.entries if ws.source is trainer), None)
+
+    def close(self) -> None:
+        for ws in self.entries:
+            ws.close()
+        self.entries.clear()
+
+
+def _registry() -> Registry:
+    from ..runtime.session import current
+
+    rt = current()
+    if rt is None:
+        raise RuntimeError("sync_weights: no twinkle_ray runtime (call twinkle_ray.initialize() first)")
+    for r in rt.resources:
+        if isinstance(r, Registry):
+            return r
+    reg = Registry()
+    rt.own(reg)
+    return reg
+
+
+def sync_weights(
+    trainer: Any,
+    sampler: Any,
+    *,
+    names: Sequence[str] | None = None,
+    only_changed: bool = False,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+    backend: str | None = None,
+    wait: bool = True,
+) -> SyncStats | SyncHandle:
+    """Send the trainer's weights to every sampler: each trainer rank sends the rows it holds that
+    each receiver keeps (see :mod:`twinkle_ray.weights`); returns the trainer's merged stats.
+
+    The channel of a trainer is set up on the first call and reused. Other samplers than last time
+    (one added, one replaced) join at this sync, the others keep their pairs; other ``timeout_s``,
+    ``bucket_mb`` or ``backend`` closes the old channel and opens a new one. ``wait=False`` returns
+    a :class:`SyncHandle` at once: the sync takes its place in both gangs' call order.
+
+    >>> # stats = sync_weights(trainer, sampler, only_changed=True)
+    >>> # handle = sync_weights(trainer, [sampler_a, sampler_b], wait=False); ...; twinkle_ray.get(handle)
+    """
+    samplers = list(sampler) if isinstance(sampler, list | tuple) else [sampler]
+    if not _is_gang(trainer):
+        return WeightSync(trainer, samplers).sync(names=names, only_changed=only_changed, wait=wait)
+    reg = _registry()
+    ws = reg.find(trainer)
+    if ws is not None and (ws.timeout_s, ws.bucket_mb, ws.backend) != (timeout_s, bucket_mb, backend):
+        logger.info("weight sync %s: settings changed; closing it for a new channel", ws.channel)
+        ws.close()
+        ws = None
+    if ws is None:
+        ws = WeightSync(trainer, samplers, timeout_s=timeout_s, bucket_mb=bucket_mb, backend=backend)
+        reg.entries.append(ws)
+    elif [id(s) for s in ws.targets] != [id(s) for s in samplers]:
+        ws.retarget(samplers)
+    return ws.sync(names=names, only_changed=only_changed, wait=wait)
