@@ -303,28 +303,26 @@ def choose_backend(backend: str | None, source: list[dict], targets: list[list[d
     return "nccl" if ends and all(x.get("cuda") for x in ends) else "gloo"
 
 
-def wait_all(works: dict, limit_s: float, poll_s: float = 0.01) -> tuple[list, BaseException | None]:
-    """Wait for every pair's posted works (``works``: key -> [(work, buffer), ...]) together, up to
-    ``limit_s``; stop at the first failure. Returns (keys still pending, the first error or None):
-    one peer's death ends the wait for all, instead of a wait on a busy peer hiding it."""
+def wait_all(works: dict, limit_s: float) -> tuple[list, BaseException | None]:
+    """Wait for every pair's posted works (``works``: key -> [(work, buffer), ...]), all within
+    ``limit_s`` together; stop at the first failure. Returns (keys not done, the first error or
+    None). Each work is waited on (gloo's ``is_completed()`` of a send stays False until it is:
+    polling it never ends), pair after pair, each bounded by what is left of ``limit_s``."""
     import time
+    from datetime import timedelta
 
     deadline = time.monotonic() + limit_s
-    pending = dict(works)
-    while pending:
-        for key in list(pending):
-            items = pending[key]
-            if all(w.is_completed() for w, _ in items):
-                for w, _ in items:
-                    try:
-                        w.wait()
-                    except Exception as e:  # this peer is gone: the others must not wait on it
-                        pending.pop(key)
-                        return [key, *pending], e
-                pending.pop(key)
-        if pending:
-            if time.monotonic() > deadline:
-                return list(pending), TimeoutError(f"weight sync: pairs {sorted(pending)[:3]} did not take the "
-                                                   f"sync within {limit_s:g}s")
-            time.sleep(poll_s)
+    keys = list(works)
+    for i, key in enumerate(keys):
+        for w, _ in works[key]:
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError("deadline passed")
+                w.wait(timedelta(seconds=left))
+            except Exception as error:  # this peer is gone, or late: the others must not wait on it
+                if time.monotonic() < deadline:
+                    return keys[i:], error
+                return keys[i:], TimeoutError(f"weight sync: pairs {sorted(keys[i:])[:3]} did not "
+                                              f"take the sync within {limit_s:g}s")
     return [], None
