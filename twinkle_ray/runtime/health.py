@@ -47,6 +47,7 @@ from .ranks import GangState
 logger = logging.getLogger(__name__)
 
 STUCK_POLL_S = 0.05  # the stuck check's first look at the ranks (then less often)
+LATE = object()  # a rank that did not answer the stuck check in time
 PROGRESS_QUERY_S = 5.0  # how long a check waits for a worker to say what it is running
 OUTAGE_POLL_S = 0.5
 OUTAGE_LIMIT_S = 30.0
@@ -245,12 +246,14 @@ class Health:
             asks = [asyncio.ensure_future(quiet(w.progress.remote())) for w in workers]
             done, _ = await asyncio.wait(asks, timeout=PROGRESS_QUERY_S if past else delay)
             reported = self.reported.get(seq, set())
-            inside = [r for r, t in enumerate(asks)  # no answer: as good as inside
-                      if r not in reported and (t.result() if t in done else seq) == seq]
-            if not inside:
+            answers = [t.result() if t in done else LATE for t in asks]
+            # a rank not yet at the call may still enter it: only ranks past it end the check
+            if all(r in reported or _past(a, seq) for r, a in enumerate(answers)):
                 return
-            if past:
-                if st.current(gen):
+            if past:  # no answer in time: as good as inside (a failed ask, None: a death's)
+                inside = [r for r, a in enumerate(answers)
+                          if r not in reported and (a is LATE or (a is not None and a[0] == seq))]
+                if inside and st.current(gen):
                     await self.on_failure(GangStuckError(
                         st.spec.group.name, st.spec.cls_name, rank, inside, method, cause, grace))
                 return
@@ -261,6 +264,15 @@ class Health:
         checks = [t for t in self.suspects.values() if not t.done()]
         if checks:
             await asyncio.wait(checks)
+
+
+def _past(answer: tuple | None, seq: int) -> bool:
+    """Whether a rank's progress answer says it is done with call ``seq`` (it ended it, or
+    runs a later one)."""
+    if answer is None or answer is LATE:
+        return False
+    current, ended = answer
+    return ended >= seq or (isinstance(current, int) and current > seq)
 
 
 def alive_node_ids() -> set[str]:

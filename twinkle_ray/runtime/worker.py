@@ -104,6 +104,7 @@ class GangWorker:
         # the number of the call running now (None: idle)
         self.current: int | str | None = None
         self.verdict_of: int | None = None  # a failed call whose stuck check the next call awaits
+        self.ended = -1  # the number of the last call that ended here
         self.phase: str | None = "created"  # what start() is doing (None: started)
         self.metrics = GangMetrics.create(info.metrics, True) if info.metrics else None
         # torch takes seconds of CPU to import, and a distributed gang's start needs it: the
@@ -227,7 +228,7 @@ class GangWorker:
             self._report(task, e)
             raise portable(e) from None
         finally:
-            self.current = None
+            self.current, self.ended = None, task.seq
             if m is not None:
                 m.ran(task.method, None if t0 is None else time.perf_counter() - t0, nbytes, failed)
         if result is self.instance:  # e.g. __iter__ returning self: it stays here
@@ -289,9 +290,9 @@ class GangWorker:
             raise error
 
     @ray.method(concurrency_group="control")
-    def progress(self) -> int | str | None:
-        """The number of the call running now, or None when idle."""
-        return self.current
+    def progress(self) -> tuple[int | str | None, int]:
+        """(the number of the call running now, or None when idle; that of the last ended)."""
+        return self.current, self.ended
 
     @ray.method(concurrency_group="control")
     def start_phase(self) -> str | None:
