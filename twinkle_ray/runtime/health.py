@@ -204,21 +204,20 @@ class Health:
 
     # -- the stuck check -----------------------------------------------------------------------
     def report_failure(self, gen: int, seq: int, rank: int, method: str, cause: str,
-                       balanced: bool = False) -> asyncio.Future | None:
+                       balanced: bool = False) -> None:
         """A worker's call ``seq`` raised: check whether peers are left inside that call, stuck
-        in a collective (the gang then goes), and return the check, whose end is the verdict
-        the reporting rank waits for before its next call. A gang without torch.distributed
-        has no collective to be stuck in, nor a ``balanced`` call (its data-parallel groups
-        run their own chunks): no check (None), and a balanced call hands out no more
-        chunks. Ranks still on an earlier call are not stuck by this one's failure."""
+        in a collective (the gang then goes). The reporting rank's next call waits for the
+        check's end (``Dispatcher.verdict``). A gang without torch.distributed has no
+        collective to be stuck in, nor a ``balanced`` call (its data-parallel groups run their
+        own chunks): no check, and a balanced call hands out no more chunks. Ranks still on
+        an earlier call are not stuck by this one's failure."""
         self.state.chunks.drop(seq)
         grace = self.state.spec.stuck_grace_s
         if (balanced or grace is None or not self.state.distributed
                 or not self.state.current(gen)):
-            return None
+            return
         self.reported.setdefault(seq, set()).add(rank)
-        check = self.suspects.get(seq)
-        if check is None:
+        if seq not in self.suspects:
             check = asyncio.ensure_future(self._check_stuck(gen, seq, rank, method, cause, grace))
             self.suspects[seq] = check
 
@@ -227,7 +226,6 @@ class Health:
                 self.reported.pop(seq, None)
 
             check.add_done_callback(done)
-        return check
 
     async def _check_stuck(self, gen, seq, rank, method, cause, grace) -> None:
         """Ask the ranks what they run, soon and then less often, until none but those that
