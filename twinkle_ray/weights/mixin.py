@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +42,7 @@ from .sender import SourceEnd
 from .transport import (
     DEFAULT_BUCKET_MB,
     SetupRefused,
+    SourceFailed,
     SyncStats,
     bytes_written,
     choose_backend,
@@ -246,6 +248,8 @@ class WeightSyncMixin:
         cache = self._ws_state()["plans"].setdefault(channel, {})
         holders = [s for s in source if s["slabs"]]
         plan = build_plan(holders, [list(t) for t in targets], cache)
+        # this set-up's own id: its hellos and refusals are not read by a later set-up of the same pairs
+        plan = {**plan, "attempt": uuid.uuid4().hex[:12]}
         plan["names"] = sorted({m[0] for s in holders for m in s["slabs"]})
         path = source[0]["path"] if source else "resharded"
         logger.info("weight sync %s: %s plan %s (%s) for %d trainer rank(s) in %d replica(s) -> %d receiver(s), "
@@ -360,9 +364,12 @@ class WeightSyncMixin:
         its pairs in step (it drains them) or closes them (the transport broke)."""
         try:
             return list(self.weight_sync_fanout("recv", channel))
-        except BaseException:
-            try:  # leave: the trainer ranks waiting for this receiver see its pairs close and go on
-                self.weight_sync_fanout("close", channel)
+        except BaseException as e:
+            if isinstance(e, SourceFailed):  # told by the senders, every pair drained: in step
+                raise
+            try:  # leave: the trainer ranks waiting for this receiver see its pairs close and go on;
+                # broken, so the next set-up rebuilds them on both ends
+                self.weight_sync_fanout("close", channel, True)
             except Exception:  # best effort: the original error is the one to raise
                 logger.debug("weight sync %s: closing a failed receiver failed", channel, exc_info=True)
             raise

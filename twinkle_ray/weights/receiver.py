@@ -32,6 +32,7 @@ from .transport import (
     node_ip,
     open_pair,
     pair_order,
+    peer_failed,
     refuse_pair,
 )
 
@@ -116,7 +117,7 @@ class ReceiverEnd:
                 addr, port = endpoint_of(plan, plan["pairs"][key]["sender"])
                 store = self._store(addr, port, timeout_s)
                 try:
-                    pairs[key] = open_pair(store, key, 1, backend, timeout_s)
+                    pairs[key] = open_pair(store, key, 1, backend, timeout_s, plan.get("attempt", ""))
                 except BaseException as e:
                     self.refuse(channel, setup, f"receiver {self.uid}: {type(e).__name__}: {e}", keys[i + 1:])
                     raise
@@ -136,7 +137,7 @@ class ReceiverEnd:
         for key in keys if keys is not None else mine["pairs"]:
             addr, port = endpoint_of(plan, plan["pairs"][key]["sender"])
             try:
-                refuse_pair(self._store(addr, port, 10.0), key, 1, message)
+                refuse_pair(self._store(addr, port, 10.0), key, 1, message, plan.get("attempt", ""))
             except Exception:  # that trainer rank is gone too
                 logger.debug("weight sync: could not refuse %s", key, exc_info=True)
 
@@ -165,7 +166,7 @@ class ReceiverEnd:
             try:
                 head = pair.recv_header(first=True)
             except BaseException as e:  # the sender is gone: so is this pair
-                error = error or e
+                error = error or peer_failed(key, e)
                 pair.close(broken=True)
                 continue
             if "error" in head:
@@ -190,11 +191,12 @@ class ReceiverEnd:
                 "seconds": time.perf_counter() - start, "receivers": 1, "lanes": len(lanes),
                 "sent_bytes": {f"receiver {self.index}": bytes_written() - w0}}
 
-    def close(self, channel: str) -> None:
-        """Leave ``channel`` (nothing when not joined)."""
+    def close(self, channel: str, broken: bool = False) -> None:
+        """Leave ``channel`` (nothing when not joined). ``broken``: its pairs are out of step (a
+        failed sync): each sender rebuilds them at the next set-up, not only this end."""
         ch = self.channels.pop(channel, None)
         for pair in (ch.pairs.values() if ch else ()):
-            pair.close()
+            pair.close(broken=broken)
         if not self.channels:
             self.stores.clear()
 
@@ -233,9 +235,9 @@ def _assemble(wants: list, lanes: list, got: dict) -> Iterator[list[tuple[str, A
                 still.append(lane)
             try:
                 work.wait(pair.timeout)
-            except BaseException:
+            except BaseException as e:
                 pair.close(broken=True)
-                raise
+                raise peer_failed(pair.key, e) from e
             got["bytes"] += buf.numel() * buf.element_size()
             got["buckets"] += 1
             done, offset = [], 0
@@ -327,6 +329,6 @@ def refuse_receivers(setup: dict, gang: int, rank: int, message: str) -> None:
         for key in r["pairs"]:
             try:
                 addr, port = endpoint_of(plan, plan["pairs"][key]["sender"])
-                refuse_pair(Endpoint.connect(addr, port, 10.0), key, 1, message)
+                refuse_pair(Endpoint.connect(addr, port, 10.0), key, 1, message, plan.get("attempt", ""))
             except Exception:  # that trainer rank is gone too
                 logger.debug("weight sync: could not refuse %s", key, exc_info=True)

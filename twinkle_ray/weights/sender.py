@@ -17,7 +17,16 @@ import time
 from typing import Any
 
 from .plan import buckets
-from .transport import PEER_WAIT_S, Endpoint, Pair, open_pair, pair_order, refuse_pair, wait_all
+from .transport import (
+    PEER_WAIT_S,
+    Endpoint,
+    Pair,
+    open_pair,
+    pair_order,
+    peer_failed,
+    refuse_pair,
+    wait_all,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +72,13 @@ class SourceEnd:
                 self.pairs.pop(key, None)
                 self.sent.pop(plan["pairs"][key]["receiver"], None)
                 try:
-                    self.pairs[key] = open_pair(self.endpoint, key, 0, backend, self.timeout_s)
+                    self.pairs[key] = open_pair(self.endpoint, key, 0, backend, self.timeout_s,
+                                                plan.get("attempt", ""))
                 except BaseException as e:
                     for later in mine[i + 1:]:  # their receivers wait for this rank's hello
                         if later not in self.pairs:
-                            refuse_pair(self.endpoint, later, 0, f"trainer rank {rank}: {type(e).__name__}: {e}")
+                            refuse_pair(self.endpoint, later, 0, f"trainer rank {rank}: {type(e).__name__}: {e}",
+                                        plan.get("attempt", ""))
                     raise
                 self.opened += 1
         finally:
@@ -79,7 +90,7 @@ class SourceEnd:
         """This rank failed before joining: tell the receivers waiting for its hello."""
         for key in plan["senders"].get(rank, []):
             if key not in self.pairs:
-                refuse_pair(self.endpoint, key, 0, message)
+                refuse_pair(self.endpoint, key, 0, message, plan.get("attempt", ""))
 
     def fail(self, message: str) -> None:
         """End this sync with ``message`` on every receiver of this rank (the pairs stay in step)."""
@@ -106,20 +117,17 @@ class SourceEnd:
                 posted_headers[key] = self.pairs[key].post_header(
                     {"seq": self.syncs, "pieces": sel, "bucket_bytes": bucket_bytes})
             except Exception as e:  # this receiver is gone
-                error = error or e
+                error = error or peer_failed(key, e)
                 self.pairs.pop(key).close(broken=True)
                 continue
             jobs.append([key, pieces, buckets(pieces, sel, bucket_bytes), sel])
-        # Every receiver reaches the sync in its own time (its gang may be busy): wait for all at
-        # once. A receiver that died ends the sync here for every pair (those still waiting are
-        # closed as broken, so their receivers' waits end too, and the next sync rebuilds them).
-        late, failed = wait_all(posted_headers, PEER_WAIT_S)
-        if failed is not None:
-            for key in late:
-                if key in self.pairs:
-                    self.pairs.pop(key).close(broken=True)
-            self.syncs += 1
-            raise failed
+        # Every receiver reaches the sync in its own time (its gang may be busy): wait for all.
+        # A receiver that failed, left or died costs only its own pairs: they are closed as broken
+        # (rebuilt at the next set-up) and the sync raises once the others have had theirs (a
+        # receiver that took its header waits for its buckets: leaving it would leave it stuck).
+        for key, e in wait_all(posted_headers, PEER_WAIT_S).items():
+            error = error or peer_failed(key, e)
+            self.pairs.pop(key).close(broken=True)
         total, nbuckets = 0, 0
         inflight: list = []
         with torch.no_grad():
@@ -127,7 +135,9 @@ class SourceEnd:
                 posted = []
                 for job in jobs:
                     key, pieces, todo, _ = job
-                    if not todo or key not in self.pairs:
+                    if key not in self.pairs:  # its receiver failed: nothing more goes to it
+                        todo.clear()
+                    if not todo:
                         continue
                     parts = [piece_view(slabs[pieces[i][1]].tensor, pieces[i][2]) for i in todo.pop(0)]
                     flat = (parts[0].reshape(-1) if len(parts) == 1 and parts[0].is_contiguous()
@@ -135,7 +145,7 @@ class SourceEnd:
                     try:
                         posted.append((key, self.pairs[key].send(flat), flat))
                     except Exception as e:
-                        error = error or e
+                        error = error or peer_failed(key, e)
                         self.pairs.pop(key).close(broken=True)
                         continue
                     total += flat.numel() * flat.element_size()
@@ -170,7 +180,7 @@ class SourceEnd:
             work.wait(timedelta(seconds=self.timeout_s))
         except Exception as e:
             self.pairs.pop(key).close(broken=True)
-            return e
+            return peer_failed(key, e)
         return None
 
     def counts(self) -> dict:

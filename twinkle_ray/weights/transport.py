@@ -33,7 +33,7 @@ from ..runtime.net import is_loopback, loopback_listener
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_BUCKET_MB", "DEFAULT_TIMEOUT_S", "PEER_WAIT_S", "Endpoint", "Pair", "PeerFailed",
-           "SetupRefused", "SourceFailed", "SyncStats", "bytes_written", "dtype_of", "node_ip", "open_pair",
+           "SetupRefused", "SourceFailed", "SyncStats", "bytes_written", "dtype_of", "node_ip", "open_pair", "peer_failed",
            "pair_order", "refuse_pair", "VLLM_NCCL", "choose_backend", "wait_all"]
 
 DEFAULT_BUCKET_MB = 32
@@ -53,6 +53,21 @@ class PeerFailed(RuntimeError):
 
 class SourceFailed(RuntimeError):
     """A receiver's error when a sender told it that it failed before sending (pairs stay in step)."""
+
+
+def peer_failed(key: str, error: BaseException) -> BaseException:
+    """The error of an end whose pair ``key`` broke under it (its other end failed, left or died):
+    a :class:`PeerFailed` (an echo: the other end's own error is the sync's), the transport's
+    message kept. A timeout stays itself (nobody else failed).
+
+    >>> peer_failed("0-ab", RuntimeError("Connection closed by peer"))
+    PeerFailed('weight sync: pair 0-ab broke (its other end failed or left): Connection closed by peer')
+    """
+    if isinstance(error, PeerFailed | TimeoutError):
+        return error
+    failed = PeerFailed(f"weight sync: pair {key} broke (its other end failed or left): {error}")
+    failed.__cause__ = error
+    return failed
 
 
 @dataclass
@@ -168,7 +183,8 @@ class Endpoint:
 class Pair:
     """One trainer rank <-> one receiver: a two-rank process group (sender 0, receiver 1)."""
 
-    def __init__(self, endpoint: Endpoint, key: str, rank: int, backend: str, timeout_s: float):
+    def __init__(self, endpoint: Endpoint, key: str, rank: int, backend: str, timeout_s: float,
+                 attempt: str = ""):
         import torch
         import torch.distributed as dist
 
@@ -176,7 +192,7 @@ class Pair:
         self.timeout = timedelta(seconds=timeout_s)
         self.peer_wait = timedelta(seconds=PEER_WAIT_S)
         self.gen = endpoint.generation(key)
-        store = dist.PrefixStore(f"pair/{key}/{self.gen}", endpoint.store)
+        store = dist.PrefixStore(f"pair/{key}/{self.gen}/{attempt}", endpoint.store)
         if backend == "gloo":
             self.pg = dist.ProcessGroupGloo(store, rank, 2, self.timeout)
             self.device = torch.device("cpu")
@@ -248,36 +264,46 @@ class Pair:
                 logger.debug("weight sync: could not mark pair %s broken", self.key, exc_info=True)
         if pg is not None:
             try:
-                pg.shutdown()
+                # broken: abort, which closes its connections now (a shut-down group whose posted
+                # works are still referenced, e.g. from a raised error's frames, keeps them open
+                # and the peer's receive waits on)
+                if broken:
+                    pg.abort()
+                else:
+                    pg.shutdown()
             except Exception:  # already broken: dropping it is enough
                 logger.debug("weight sync: pair %s shutdown failed", self.key, exc_info=True)
 
 
 # ------------------------------------------------------------------------------ opening a pair
-def _hello(endpoint: Endpoint, key: str, gen: int, side: str) -> Any:
+def _hello(endpoint: Endpoint, key: str, gen: int, side: str, attempt: str) -> Any:
     import torch.distributed as dist
 
-    return dist.PrefixStore(f"hello/{key}/{gen}/{side}", endpoint.store)
+    return dist.PrefixStore(f"hello/{key}/{gen}/{attempt}/{side}", endpoint.store)
 
 
-def open_pair(endpoint: Endpoint, key: str, rank: int, backend: str, timeout_s: float) -> Pair:
+def open_pair(endpoint: Endpoint, key: str, rank: int, backend: str, timeout_s: float,
+              attempt: str = "") -> Pair:
     """Open pair ``key`` at ``rank`` (0 sender, 1 receiver): say hello, wait for the peer's hello (a
     refusal raises :class:`SetupRefused` at once), then build the two-rank group. Every process
-    opens its pairs in one global order (sender rank, receiver id), so no two wait on each other."""
+    opens its pairs in one global order (sender rank, receiver id), so no two wait on each other.
+    ``attempt`` (the set-up's own id, ``plan['attempt']``) keeps a hello or refusal of an earlier
+    set-up from being read by this one."""
     gen = endpoint.generation(key)
-    _hello(endpoint, key, gen, str(rank)).set("hello", "ok")
-    peer = _hello(endpoint, key, gen, str(1 - rank))
+    _hello(endpoint, key, gen, str(rank), attempt).set("hello", "ok")
+    peer = _hello(endpoint, key, gen, str(1 - rank), attempt)
     peer.wait(["hello"], timedelta(seconds=timeout_s))
     said = peer.get("hello").decode()
     if said != "ok":
         raise SetupRefused(f"weight sync: the other end of pair {key} failed at set-up: {said}")
-    return Pair(endpoint, key, rank, backend, timeout_s)
+    return Pair(endpoint, key, rank, backend, timeout_s, attempt)
 
 
-def refuse_pair(endpoint: Endpoint, key: str, rank: int, message: str) -> None:
-    """Tell the peer of pair ``key`` (waiting in :func:`open_pair`) that this end failed (best effort)."""
+def refuse_pair(endpoint: Endpoint, key: str, rank: int, message: str, attempt: str = "") -> None:
+    """Tell the peer of pair ``key`` (waiting in :func:`open_pair` of set-up ``attempt``) that this
+    end failed (best effort)."""
     try:
-        _hello(endpoint, key, endpoint.generation(key), str(rank)).set("hello", message)
+        _hello(endpoint, key, endpoint.generation(key), str(rank), attempt).set("hello", message)
     except Exception:  # the store's host is gone: nobody waits on it
         logger.debug("weight sync: could not refuse pair %s", key, exc_info=True)
 
@@ -303,26 +329,26 @@ def choose_backend(backend: str | None, source: list[dict], targets: list[list[d
     return "nccl" if ends and all(x.get("cuda") for x in ends) else "gloo"
 
 
-def wait_all(works: dict, limit_s: float) -> tuple[list, BaseException | None]:
+def wait_all(works: dict, limit_s: float) -> dict:
     """Wait for every pair's posted works (``works``: key -> [(work, buffer), ...]), all within
-    ``limit_s`` together; stop at the first failure. Returns (keys not done, the first error or
-    None). Each work is waited on (gloo's ``is_completed()`` of a send stays False until it is:
-    polling it never ends), pair after pair, each bounded by what is left of ``limit_s``."""
+    ``limit_s`` together. Returns {key: error} of the pairs that failed (their peer failed, left or
+    died) or were not done in time; the others are done. Each work is waited on in turn (gloo's
+    ``is_completed()`` of a send stays False until it is: polling it never ends), each bounded by
+    what is left of ``limit_s``: a failed peer costs its own pairs, never the others' syncs."""
     import time
     from datetime import timedelta
 
     deadline = time.monotonic() + limit_s
-    keys = list(works)
-    for i, key in enumerate(keys):
-        for w, _ in works[key]:
+    failed: dict = {}
+    for key, items in works.items():
+        for w, _ in items:
             left = deadline - time.monotonic()
             try:
                 if left <= 0:
                     raise TimeoutError("deadline passed")
                 w.wait(timedelta(seconds=left))
-            except Exception as error:  # this peer is gone, or late: the others must not wait on it
-                if time.monotonic() < deadline:
-                    return keys[i:], error
-                return keys[i:], TimeoutError(f"weight sync: pairs {sorted(keys[i:])[:3]} did not "
-                                              f"take the sync within {limit_s:g}s")
-    return [], None
+            except Exception as error:
+                failed[key] = error if time.monotonic() < deadline else TimeoutError(
+                    f"weight sync: pair {key} did not take the sync within {limit_s:g}s")
+                break
+    return failed
