@@ -49,7 +49,10 @@ class Rebuilder:
         self.metrics = RestartMetrics.create(spec.label, spec.metrics)
         self.restarts = spec.restarts  # automatic rebuilds started (respawns before this included)
         self.started: list[float] = []  # when this dispatcher's automatic rebuilds started
-        self._started_more = asyncio.Event()  # set when one starts (tickets wait on it)
+        # tickets waiting for a rebuild to start: (their event loop, a future). The tickets run in
+        # a concurrency group of their own, on another thread and loop: an asyncio.Event set
+        # here would never wake them
+        self._waiting: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         # the highest rebuild its creator holds a ticket for (0: no creator follows it): the
         # creator counts every rebuild, so none starts without a ticket to tell it
         self.tickets = 0
@@ -90,9 +93,12 @@ class Rebuilder:
         """When this dispatcher's k-th automatic rebuild started (1-based); waits for it (the
         creator's ticket: see :class:`~twinkle_ray.runtime.restarts.RebuildLedger`)."""
         self.tickets = max(self.tickets, k)
+        loop = asyncio.get_running_loop()
         while len(self.started) < k:
-            self._started_more.clear()
-            await self._started_more.wait()
+            woken = loop.create_future()
+            self._waiting.append((loop, woken))
+            if len(self.started) < k:  # not started between the check and the append
+                await woken
         return self.started[k - 1]
 
     async def fail(self, error: WorkerDiedError) -> None:
@@ -109,10 +115,14 @@ class Rebuilder:
         # Followed by a creator (a ledger), a rebuild needs a ticket to count it by: without one
         # (more rebuilds than max_restarts since the creator last looked) the budget is spent.
         ticketed = self.tickets == 0 or len(self.started) < self.tickets
-        if self.policy.max_restarts > 0 and ticketed and self.policy.allow(now):
+        allowed = self.policy.max_restarts > 0 and self.policy.room(now)
+        if allowed and ticketed:
+            self.policy.allow(now)  # records it
             self.restarts += 1
             self.started.append(now)
-            self._started_more.set()
+            waiting, self._waiting = self._waiting, []
+            for loop, woken in waiting:
+                loop.call_soon_threadsafe(_wake, woken)
             if self.metrics is not None:
                 self.metrics.restarted(error.kind)
             logger.warning("gang %s: automatic rebuild %d (%s)", st.label, self.restarts,
@@ -122,8 +132,9 @@ class Rebuilder:
         if self.policy.max_restarts > 0:
             if self.metrics is not None:
                 self.metrics.refused_one()
+            # the policy's verdict first: a creator's ticket still on its way changes nothing then
             reason = (f"not rebuilt: its restart budget is spent ({self.restarts} automatic "
-                      f"rebuild(s); {self.policy.describe()})" if ticketed else
+                      f"rebuild(s); {self.policy.describe()})" if not allowed else
                       f"not rebuilt: {len(self.started)} automatic rebuild(s) since its creator "
                       f"last called it, as many as its restart tickets count between two of "
                       f"its calls; restart() it")
@@ -229,3 +240,8 @@ def _placement_state(pg, index: list[int]) -> tuple[str, list[int]]:
     alive = alive_node_ids()
     where = table.get("bundles_to_node_id") or {}
     return table.get("state", "?"), [b for b in index if where.get(b) not in alive]
+
+
+def _wake(woken: asyncio.Future) -> None:
+    if not woken.done():
+        woken.set_result(None)

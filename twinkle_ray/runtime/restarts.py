@@ -62,11 +62,15 @@ class RestartPolicy:
             raise ValueError(f"restart policy: max_restarts must be >= 0 and window_s positive or "
                              f"None, got {self.max_restarts}, {self.window_s}")
 
-    def allow(self, now: float) -> bool:
-        """Whether one more automatic rebuild may start at ``now``; records it if so."""
+    def room(self, now: float) -> bool:
+        """Whether one more automatic rebuild may start at ``now``; records nothing."""
         if self.window_s is not None:
             self.times = [t for t in self.times if now - t < self.window_s]
-        if len(self.times) >= self.max_restarts:
+        return len(self.times) < self.max_restarts
+
+    def allow(self, now: float) -> bool:
+        """Whether one more automatic rebuild may start at ``now``; records it if so."""
+        if not self.room(now):
             return False
         self.times.append(now)
         return True
