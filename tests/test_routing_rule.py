@@ -6,7 +6,8 @@ and ``dispatch`` (what passing that value gives each worker), with a method's se
 values passed element by element, each as an argument in its place. The routed side is
 ``core.routing.Routed``: records, skeletons, and only the covering outputs fetched.
 
-Generated: nested lists / tuples / dicts / namedtuples / ndarrays / tensors, per-rank scalars,
+Generated: nested lists / tuples / dicts (and OrderedDicts) / namedtuples / ndarrays / tensors,
+per-rank scalars,
 uneven and empty sequences, ranks whose outputs differ in type; every collect mode; producer
 meshes with and without pipeline stages; 'slice' and 'slice_dp' consumers of 1-4 parts, with
 plain list arguments beside the routed one. The example budget is the profile's (conftest:
@@ -15,7 +16,7 @@ plain list arguments beside the routed one. The example budget is the profile's 
 
 from __future__ import annotations
 
-from collections import namedtuple
+from collections import OrderedDict, namedtuple
 
 import numpy as np
 import pytest
@@ -43,8 +44,10 @@ SEQ = st.one_of(st.just(("list",)), st.just(("tupleseq",)), st.just(("tensor",))
                           st.sampled_from([(), (2,)])))
 INNER = st.recursive(
     st.one_of(LEAF.map(lambda k: ("leaf", k)), SEQ),
-    lambda children: st.dictionaries(st.sampled_from("abcd"), children, min_size=1, max_size=3)
-    .map(lambda d: ("dict", tuple(d.items()))),
+    lambda children: st.tuples(
+        st.dictionaries(st.sampled_from("abcd"), children, min_size=1, max_size=3),
+        st.sampled_from([dict, dict, OrderedDict]))  # a dict subclass keeps its type both ways
+    .map(lambda d: ("dict", tuple(d[0].items()), d[1])),
     max_leaves=5)
 TOP = st.one_of(
     INNER,
@@ -70,7 +73,7 @@ def make(spec, draw, rank: int, uneven: bool):
             return np.array(rank)
         return None
     if kind == "dict":
-        return {k: make(v, draw, rank, uneven) for k, v in spec[1]}
+        return spec[2]((k, make(v, draw, rank, uneven)) for k, v in spec[1])
     if kind == "tuple":
         items = [make(v, draw, rank, uneven) for v in spec[1]]
         return Pair(*items) if spec[2] and len(items) == 2 else tuple(items)
@@ -182,6 +185,11 @@ def outcome(fn, *args):
 @settings(suppress_health_check=[HealthCheck.too_slow])
 @given(case())
 def test_routed_equals_fetched_then_passed(c):
+    check(c)
+
+
+def check(c) -> None:
+    """Routed == fetched then passed (or both raise the same error type); outputs read once."""
     outputs, mode, mesh, split_mode, parts, index, plain = c
     want, want_error = outcome(fetched_then_passed, *c)
     fetched: list = []
@@ -254,3 +262,13 @@ def test_a_balanced_result_routes_in_input_order(n_items, groups, parts, data):
     lo, hi = span(n_items, parts, index)
     assert set(pulled) <= {o for (s, e), o in zip(bounds, owner, strict=True)
                            if s < hi and e > lo}
+
+
+@pytest.mark.parametrize("mode", ["none", "flatten", "first"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_dict_subclass_keeps_its_type(mode, n):
+    """An OrderedDict output (nested too) reaches the consumer as an OrderedDict, as passed."""
+    outputs = [OrderedDict(ids=list(range(4 * r, 4 * r + 4)), meta=OrderedDict(r=r)) for r in range(n)]
+    for index in (0, 1):
+        check((outputs, mode, None, "slice_dp", 2, index, None))
+

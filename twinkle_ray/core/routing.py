@@ -88,6 +88,8 @@ def record_of(value: Any, _top: bool = True) -> tuple:
     ('t', None, (('s', 'list', 2, None), ('x',)))
     """
     if isinstance(value, dict):
+        if type(value) is not dict:  # a subclass (OrderedDict, a ModelOutput): the real join
+            return ("D", type(value).__name__)  # and cut keep its type; no skeleton
         return ("d", tuple(value), tuple(record_of(v, False) for v in value.values()))
     if isinstance(value, tuple) and _top:
         if len(value) > TUPLE_RECORD_MAX:
