@@ -384,7 +384,8 @@ class Staged(WeightSyncMixin):
 
     @remote_function(dispatch="all")
     def fail_next(self, *what: str, ranks: tuple = (1,)) -> None:
-        """Make the receiver operations ``what`` ('join', 'recv') fail on ``ranks``; none clears."""
+        """Make ``what`` (receiver operations 'join', 'recv'; a source's 'tensors') fail on
+        ``ranks``; none clears."""
         self.fail, self.fail_ranks = set(what), tuple(ranks)
 
     def weight_sync_lane(self):
@@ -393,6 +394,8 @@ class Staged(WeightSyncMixin):
         return get_rank(), self.lanes
 
     def weight_sync_tensors(self):
+        if "tensors" in self.fail and get_rank() in self.fail_ranks:
+            raise ValueError(f"no tensors on rank {get_rank()}")
         full = super().weight_sync_tensors()
         if self.lanes == 1:
             return full
@@ -427,6 +430,28 @@ def test_a_refused_set_up_reaches_every_lane(staged_gangs):
     stats = ws.sync()
     assert (stats.lanes, stats.tensors, stats.receivers) == (2, 4, 2)
     assert sampler.work()() == [1.0, 1.0]
+
+
+@pytest.mark.slow
+def test_a_lane_failing_while_changes_are_tracked_ends_at_once(staged_gangs):
+    """Trainer rank 1 fails before sending while change tracking is on (only_changed): it tells
+    its receivers after the trainer's own gather of fingerprints, so nobody waits on anybody.
+    (Told before it, rank 0 waited in the gather, rank 1 for a receiver reading rank 0's pair
+    first: a deadlock until the sync's bound, then both gangs torn down.)"""
+    trainer = Staged(MESH, 1.0, lanes=2, remote_group="trainer")
+    sampler = Staged(MESH, 0.0, remote_group="sampler")
+    ws = WeightSync(trainer, sampler, timeout_s=120)
+    assert ws.sync(only_changed=True).receivers == 2
+    gens = _generation(trainer), _generation(sampler)
+    trainer.fail_next("tensors", ranks=(1,))()
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="no tensors on rank 1"):
+        ws.sync(only_changed=True)
+    assert time.monotonic() - t0 < LIMIT_S
+    assert sampler.work().get(timeout=LIMIT_S) == [1.0, 1.0]
+    assert (_generation(trainer), _generation(sampler)) == gens
+    trainer.fail_next()()
+    assert ws.sync(only_changed=True).receivers == 2
 
 
 @pytest.mark.slow

@@ -122,7 +122,10 @@ class Rebuilder:
             self.started.append(now)
             waiting, self._waiting = self._waiting, []
             for loop, woken in waiting:
-                loop.call_soon_threadsafe(_wake, woken)
+                try:
+                    loop.call_soon_threadsafe(_wake, woken)
+                except RuntimeError:  # its loop is closed (the actor is ending): nobody waits
+                    logger.debug("a restart ticket's loop is closed", exc_info=True)
             if self.metrics is not None:
                 self.metrics.restarted(error.kind)
             logger.warning("gang %s: automatic rebuild %d (%s)", st.label, self.restarts,

@@ -320,8 +320,6 @@ class WeightSyncMixin:
                                  f"shapes/dtypes); nothing was sent, the next sync makes a new plan")
         except Exception as e:
             error = e
-            if end is not None:
-                end.fail(f"{type(self).__name__} rank {get_rank()}: {type(e).__name__}: {e}")
         tracking = only_changed or channel in state["tracking"]
         prints = None
         if tracking:  # every rank in step: the decision per tensor is the same on every sender
@@ -332,6 +330,11 @@ class WeightSyncMixin:
                 for k, fp in part.items():
                     merged.setdefault(k.rsplit("#", 1)[0], []).append((k, fp))
             prints = {n: tuple(sorted(v)) for n, v in merged.items()} if only_changed else None
+        # Past the trainer's own collectives: a failed rank tells its receivers now (its error
+        # header waits for each receiver to take it; told before the gather above, a receiver
+        # reading another rank's pair first would leave that rank, and so this one, waiting).
+        if error is not None and end is not None:
+            end.fail(f"{type(self).__name__} rank {get_rank()}: {type(error).__name__}: {error}")
         if error is None and end is not None:
             try:
                 figures = end.send(slabs, set(names) if names is not None else None, prints,

@@ -123,8 +123,8 @@ class ReceiverEnd:
                     raise
                 opened += 1
         except BaseException:
-            for pair in pairs.values():
-                pair.close()
+            for pair in pairs.values():  # broken: their senders rebuild them at the next set-up
+                pair.close(broken=True)
             raise
         self.opened += opened
         self.channels[channel] = _Channel(mine["wants"], {k: plan["pairs"][k]["pieces"] for k in keys}, pairs)

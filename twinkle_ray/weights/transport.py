@@ -58,12 +58,12 @@ class SourceFailed(RuntimeError):
 def peer_failed(key: str, error: BaseException) -> BaseException:
     """The error of an end whose pair ``key`` broke under it (its other end failed, left or died):
     a :class:`PeerFailed` (an echo: the other end's own error is the sync's), the transport's
-    message kept. A timeout stays itself (nobody else failed).
+    message kept. A timeout (Python's, or gloo's "Timed out ...") stays itself: nobody else failed.
 
     >>> peer_failed("0-ab", RuntimeError("Connection closed by peer"))
     PeerFailed('weight sync: pair 0-ab broke (its other end failed or left): Connection closed by peer')
     """
-    if isinstance(error, PeerFailed | TimeoutError):
+    if isinstance(error, PeerFailed | TimeoutError) or "timed out" in str(error).lower():
         return error
     failed = PeerFailed(f"weight sync: pair {key} broke (its other end failed or left): {error}")
     failed.__cause__ = error
