@@ -55,6 +55,21 @@ def _collect(store: dict):
     return consume
 
 
+def test_a_broken_pair_is_an_echo_and_a_timeout_stays_itself():
+    """A transport error from the other end's failure is PeerFailed (passed over for the failing
+    end's own error), its message and cause kept; a timeout (Python's or gloo's) is not an echo."""
+    from twinkle_ray.weights.handle import is_echo
+    from twinkle_ray.weights.transport import PeerFailed, peer_failed
+
+    closed = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:4315")
+    e = peer_failed("0-ab", closed)
+    assert isinstance(e, PeerFailed) and is_echo(e) and e.__cause__ is closed
+    assert str(e) == f"weight sync: pair 0-ab broke (its other end failed or left): {closed}"
+    assert peer_failed("0-cd", e) is e  # already an echo: kept
+    for timeout in (TimeoutError("deadline passed"), RuntimeError("[pair.cc:598] Timed out waiting 120000ms")):
+        assert peer_failed("0-ab", timeout) is timeout and not is_echo(timeout)
+
+
 def test_pairs_buckets_dtypes_and_subsets():
     src = {"a": torch.randn(300, 100), "b": torch.randn(50).to(torch.bfloat16), "c": torch.arange(10),
            "d": torch.randn(1000, 300)}

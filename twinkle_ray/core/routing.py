@@ -77,10 +77,11 @@ class NotWindowable(Exception):
 def record_of(value: Any, _top: bool = True) -> tuple:
     """The record of one producer output: its structure, never its items.
 
-    Dicts record their keys and each value's record; a tuple at the top (or inside a top-level
-    tuple: a method's several return values) each element's; a list, tuple, array or tensor
-    elsewhere is a *sequence* (type, length, dtype and trailing shape); anything else is a
-    leaf.
+    Dicts record their keys and each value's record (a dict subclass records only its type
+    name: it is joined and cut for real, so it keeps its type); a tuple at the top (or inside a
+    top-level tuple: a method's several return values) each element's; a list, tuple, array or
+    tensor elsewhere is a *sequence* (type, length, dtype and trailing shape); anything else is
+    a leaf.
 
     >>> record_of({'ids': [1, 2, 3], 'loss': 0.5})
     ('d', ('ids', 'loss'), (('s', 'list', 3, None), ('x',)))

@@ -367,9 +367,9 @@ class WeightSyncMixin:
         its pairs in step (it drains them) or closes them (the transport broke)."""
         try:
             return list(self.weight_sync_fanout("recv", channel))
-        except BaseException as e:
-            if isinstance(e, SourceFailed):  # told by the senders, every pair drained: in step
-                raise
+        except SourceFailed:  # told by the senders, every pair drained: the pairs stay in step
+            raise
+        except BaseException:
             try:  # leave: the trainer ranks waiting for this receiver see its pairs close and go on;
                 # broken, so the next set-up rebuilds them on both ends
                 self.weight_sync_fanout("close", channel, True)

@@ -237,7 +237,8 @@ def _assemble(wants: list, lanes: list, got: dict) -> Iterator[list[tuple[str, A
                 work.wait(pair.timeout)
             except BaseException as e:
                 pair.close(broken=True)
-                raise peer_failed(pair.key, e) from e
+                failed = peer_failed(pair.key, e)
+                raise failed from (None if failed is e else e)  # never e as its own cause
             got["bytes"] += buf.numel() * buf.element_size()
             got["buckets"] += 1
             done, offset = [], 0
