@@ -147,6 +147,19 @@ class Probe:
     def ask_peer(self, other) -> list:
         return get(other.whoami())
 
+    @remote_function(dispatch="slice", collect="flatten", execute="peer")
+    def echo_slice(self, xs: list) -> list:
+        return list(xs)
+
+    @remote_function(dispatch="slice_dp", collect="flatten", execute="peer")
+    def echo_slice_dp(self, xs: list) -> list:
+        return list(xs)
+
+    @remote_function(dispatch="all", collect="none")
+    def ask_peer_items(self, other, mode: str) -> list:
+        mine = [get_rank() * 10 + k for k in range(4)]
+        return get(getattr(other, f"echo_{mode}")(mine))
+
     @remote_function(dispatch="all", collect="first", sync=True)
     def sync_rank(self) -> int:
         return get_rank()
@@ -365,6 +378,17 @@ def test_execute_peer_from_another_gang(gangs):
     a, b = gangs
     # worker r of gang a calls gang b with execute='peer': b's rank r answers
     assert a.ask_peer(b)() == [0, 1, 2, 3]  # one answer each, unwrapped by collect="none"
+
+
+@pytest.mark.parametrize("mode", ["slice", "slice_dp"])
+def test_execute_peer_runs_every_item_of_its_caller(gangs, mode):
+    """A peer call cuts the caller's items over its peer workers only (here: one each), so
+    every item runs exactly once (before: cut over the whole gang, 3 of 4 items, under
+    'slice', or half of them under 'slice_dp' on b's dp=2 x tp=2, were never run)."""
+    a, b = gangs
+    mine = [[r * 10 + k for k in range(4)] for r in range(4)]
+    assert a.ask_peer_items(b, mode)() == mine
+    assert b.ask_peer_items(a, mode)() == mine
 
 
 @pytest.mark.slow  # seconds (measured in the quick tier: 5 s or more, or its module's shared gang)

@@ -57,6 +57,7 @@ __all__ = [
     'dispatch_one',
     'elementwise',
     'peer_workers',
+    'runner_splits',
     'slice_length',
     'split_arg',
     'worker_splits',
@@ -412,17 +413,22 @@ def dispatch(
     gpus_per_worker: int = 1,
     method: str = '?',
     group: str = '?',
+    runners: Sequence[int] | None = None,
 ) -> list[WorkerArgs]:
     """Build the ``(args, kwargs)`` of every worker for one call.
 
     Args:
         mode: ``'slice'``, ``'all'``, ``'slice_dp'`` or ``fn(n_workers, i, args, kwargs, device_mesh)``.
-        n_workers: number of workers that run the call (worker ``i`` is the i-th of them).
+        n_workers: number of workers in the gang (worker ``i`` is the i-th of them).
         args, kwargs: the call's arguments; never modified.
         device_mesh: the gang's mesh (used by ``'slice_dp'``; ``None`` means plain dp over
             the workers).
         gpus_per_worker: worker ``i`` is global mesh rank ``i * gpus_per_worker``.
         method, group: named in error messages.
+        runners: the workers that run the call (``execute='peer'``: :func:`call_targets`);
+            every worker when None. The arguments are cut over the runners only, so every
+            item runs exactly once (see :func:`runner_splits`); the entries of the workers
+            that do not run repeat the first runner's.
 
     Returns:
         ``n_workers`` tuples ``(args_tuple, kwargs_dict)``, in worker order.  Workers that get
@@ -448,19 +454,71 @@ def dispatch(
     args = tuple(args)
     kwargs = dict(kwargs or {})
 
+    runners = _check_runners(runners, n_workers, method, group)
+
     if not isinstance(mode, str):
-        return _dispatch_callable(mode, n_workers, args, kwargs, device_mesh, method, group)
+        return _dispatch_callable(mode, n_workers, runners, args, kwargs, device_mesh, method, group)
     if mode in ('all', 'balance'):  # balance: chunks are handed out while the call runs (core.balance)
         shared = (args, kwargs)
         return [shared] * n_workers
     if mode == 'slice':
-        return _dispatch_slice(n_workers, args, kwargs, method, group)
-    return _dispatch_slice_dp(n_workers, args, kwargs, device_mesh, gpus_per_worker, method, group)
+        return _dispatch_slice(n_workers, runners, args, kwargs, method, group)
+    return _dispatch_slice_dp(n_workers, runners, args, kwargs, device_mesh, gpus_per_worker,
+                              method, group)
 
 
-def _dispatch_callable(fn, n_workers, args, kwargs, device_mesh, method, group) -> list[WorkerArgs]:
-    return [dispatch_one(fn, n_workers, i, args, kwargs, device_mesh, method, group)
-            for i in range(n_workers)]
+def _check_runners(runners: Sequence[int] | None, n_workers: int, method: str,
+                   group: str) -> list[int]:
+    if runners is None:
+        return list(range(n_workers))
+    runners = [int(r) for r in runners]
+    if not runners or len(set(runners)) != len(runners) or not all(0 <= r < n_workers for r in runners):
+        raise ValueError(f'{_where(method, group)}: the workers that run a call must be distinct '
+                         f'ranks of the {n_workers} worker(s), got {runners}')
+    return runners
+
+
+def _fill(n_workers: int, runners: list[int], per_runner: list) -> list:
+    """Per-worker entries from the runners' (the others repeat the first runner's)."""
+    out = [per_runner[0]] * n_workers
+    for r, item in zip(runners, per_runner, strict=True):
+        out[r] = item
+    return out
+
+
+def runner_splits(mode: str, n_workers: int, runners: Sequence[int] | None = None, *,
+                  device_mesh: Any = None, gpus_per_worker: int = 1, method: str = '?',
+                  group: str = '?') -> list[Split]:
+    """Each runner's :class:`Split` under ``'slice'`` or ``'slice_dp'``, in ``runners`` order.
+
+    The one rule for who gets which items when only some workers run a call
+    (``execute='peer'``), Twinkle's: the caller's items are cut over the runners, as if they
+    were the whole gang. ``'slice'``: runner ``j`` of ``k`` gets piece ``j``. ``'slice_dp'``:
+    the distinct data ranks of the runners, in ascending order, share the items (piece ``p``
+    to the ``p``-th of them); tp/pp peers of a data rank get the same piece. With every worker
+    running, this is the plain dispatch rule.
+
+    >>> [(s.parts, s.index) for s in runner_splits('slice', 4, [2, 3])]
+    [(2, 0), (2, 1)]
+    >>> [(s.parts, s.index) for s in runner_splits('slice_dp', 4, [1, 3])]
+    [(2, 0), (2, 1)]
+    """
+    runners = _check_runners(runners, n_workers, method, group)
+    if mode == 'slice':
+        return [Split('slice', len(runners), j, method, group) for j in range(len(runners))]
+    if mode != 'slice_dp':
+        raise ValueError(f"{_where(method, group)}: runner_splits cuts under 'slice' or "
+                         f"'slice_dp', not {mode!r}")
+    _, data_ranks = worker_data_ranks(n_workers, device_mesh, gpus_per_worker, method, group)
+    ours = sorted({data_ranks[r] for r in runners})
+    return [Split('slice_dp', len(ours), ours.index(data_ranks[r]), method, group) for r in runners]
+
+
+def _dispatch_callable(fn, n_workers, runners, args, kwargs, device_mesh, method,
+                       group) -> list[WorkerArgs]:
+    k = len(runners)
+    return _fill(n_workers, runners, [dispatch_one(fn, k, j, args, kwargs, device_mesh, method, group)
+                                      for j in range(k)])
 
 
 def dispatch_one(fn: Callable, n_workers: int, i: int, args: tuple, kwargs: dict,
@@ -492,20 +550,20 @@ def _short_repr(obj: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + '...'
 
 
-def _dispatch_slice(n_workers, args, kwargs, method, group) -> list[WorkerArgs]:
+def _dispatch_slice(n_workers, runners, args, kwargs, method, group) -> list[WorkerArgs]:
     lengths = {_arg_name(p): len(v) for p, v in _named_args(args, kwargs) if isinstance(v, list)}
     if not lengths:
         shared = (args, kwargs)
         return [shared] * n_workers
     n = slice_length(lengths, method, group)
     out = []
-    for i in range(n_workers):
-        cut = Split('slice', n_workers, i, method, group, slice_len=n)
+    for split in runner_splits('slice', n_workers, runners, method=method, group=group):
+        cut = split._replace(slice_len=n)
         out.append((
             tuple(split_arg(cut, v, _arg_name(p)) for p, v in enumerate(args)),
             {k: split_arg(cut, v, _arg_name(k)) for k, v in kwargs.items()},
         ))
-    return out
+    return _fill(n_workers, runners, out)
 
 
 def slice_length(lengths: dict[str, int], method: str = '?', group: str = '?') -> int | None:
@@ -649,37 +707,41 @@ def span(n: int, parts: int, index: int) -> tuple[int, int]:
     return _span(n, parts, index)
 
 
-def _dispatch_slice_dp(n_workers, args, kwargs, mesh, gpus_per_worker, method, group) -> list[WorkerArgs]:
-    dp, data_ranks = worker_data_ranks(n_workers, mesh, gpus_per_worker, method, group)
+def _dispatch_slice_dp(n_workers, runners, args, kwargs, mesh, gpus_per_worker, method,
+                       group) -> list[WorkerArgs]:
+    splits = runner_splits('slice_dp', n_workers, runners, device_mesh=mesh,
+                           gpus_per_worker=gpus_per_worker, method=method, group=group)
     for position, value in _named_args(args, kwargs):  # every argument checked before any is cut
-        _check_dp_sizes(value, dp, _arg_name(position), method, group)
-    by_data_rank: dict[int, WorkerArgs] = {}
+        _check_dp_sizes(value, splits[0].parts, _arg_name(position), method, group)
+    by_split: dict[Split, WorkerArgs] = {}
     out = []
-    for data_rank in data_ranks:
-        call = by_data_rank.get(data_rank)
+    for cut in splits:
+        call = by_split.get(cut)
         if call is None:  # == mesh.get_slice(n, <data rank>): contiguous divmod split by data rank
-            cut = Split('slice_dp', dp, data_rank, method, group)
-            call = by_data_rank[data_rank] = (
+            call = by_split[cut] = (
                 tuple(split_arg(cut, v, _arg_name(p)) for p, v in enumerate(args)),
                 {k: split_arg(cut, v, _arg_name(k)) for k, v in kwargs.items()},
             )
         out.append(call)
-    return out
+    return _fill(n_workers, runners, out)
 
 
 def worker_splits(mode: Any, n_workers: int, *, device_mesh: Any = None, gpus_per_worker: int = 1,
-                  method: str = '?', group: str = '?') -> list[Split | None]:
+                  method: str = '?', group: str = '?',
+                  runners: Sequence[int] | None = None) -> list[Split | None]:
     """Each worker's :class:`Split` under dispatch ``mode`` (None for a mode that cuts nothing
     by itself: ``'all'``, ``'balance'``, a callable): how a value routed to it is cut.
+    ``runners``: the workers that run the call (see :func:`runner_splits`); the others'
+    entries repeat the first runner's.
 
     >>> [s.index for s in worker_splits('slice_dp', 4, device_mesh=None)]
     [0, 1, 2, 3]
     """
-    if mode == 'slice':
-        return [Split('slice', n_workers, i, method, group) for i in range(n_workers)]
-    if mode == 'slice_dp':
-        dp, data_ranks = worker_data_ranks(n_workers, device_mesh, gpus_per_worker, method, group)
-        return [Split('slice_dp', dp, d, method, group) for d in data_ranks]
+    if mode in ('slice', 'slice_dp'):
+        runners = _check_runners(runners, n_workers, method, group)
+        return _fill(n_workers, runners, runner_splits(
+            mode, n_workers, runners, device_mesh=device_mesh, gpus_per_worker=gpus_per_worker,
+            method=method, group=group))
     return [None] * n_workers
 
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import ray
 
+from ..core.dispatch import call_targets, slice_length, worker_splits
 from ..core.dispatch import dispatch as split_args
-from ..core.dispatch import slice_length, worker_splits
 from ..core.functions import DEFAULT_FUNCTION, RemoteFunction
 from ..core.platform import Platform
 from . import balance
@@ -256,6 +256,9 @@ class GangProxy:
         n = g.n_workers
         heads: list = [None] * n
         splits: list = [None] * n
+        # execute='peer': the caller's arguments are cut over its peer workers only (Twinkle's
+        # rule: each of its items runs exactly once); every worker otherwise
+        runners = call_targets(execute, caller, n) if execute == "peer" else None
         if spec.dispatch == "balance":  # chunks handed out while the call runs (runtime.balance)
             per_worker, heads = balance.split(name, spec, g, self._execute, args, kwargs)
         elif execute == "first" or spec.dispatch == "all":
@@ -263,15 +266,19 @@ class GangProxy:
         elif callable(spec.dispatch) and _routes_any(g, name, args, kwargs):
             # each rank applies the function to the values (it would see LazyResults here)
             enc = Encoding(own_gang=g)
-            s = enc.encode(args, kwargs, None, reslice=(n, g.mesh, g.gpus_per_worker))
+            reslice = (n, g.mesh, g.gpus_per_worker) if runners is None else \
+                (len(runners), g.mesh, g.gpus_per_worker, tuple(runners))
+            s = enc.encode(args, kwargs, None, reslice=reslice)
             return Call(name, [s], None, enc.routes, execute, caller, None, returns, wait_end)
         else:
             marked = mark_cuts(spec.dispatch, args, kwargs)
             per_worker = split_args(spec.dispatch, n, *marked, device_mesh=g.mesh,
-                                    gpus_per_worker=g.gpus_per_worker, method=name, group=g.group)
+                                    gpus_per_worker=g.gpus_per_worker, method=name, group=g.group,
+                                    runners=runners)
             if marked[0] is not args or marked[1] is not kwargs:  # a LazyResult it cuts:
                 splits = worker_splits(spec.dispatch, n, device_mesh=g.mesh,
-                                       gpus_per_worker=g.gpus_per_worker, method=name, group=g.group)
+                                       gpus_per_worker=g.gpus_per_worker, method=name, group=g.group,
+                                       runners=runners)
                 if spec.dispatch == "slice":
                     common = slice_length({f"argument {p}": len(v) for p, v in
                                            [*enumerate(args), *kwargs.items()]

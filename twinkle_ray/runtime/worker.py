@@ -250,10 +250,10 @@ class GangWorker:
         slots = Slots(task.routes, task.split, task.method, info.group) if task.routes else None
         args, kwargs = decode(task, tops, slots and slots.value, where)
         if task.reslice is not None:  # a dispatch function, applied here to the values
-            n, mesh, gpus_per_worker = task.reslice
+            n, mesh, gpus_per_worker, *runners = task.reslice  # runners: execute='peer'
             fn = getattr(type(self.instance), task.method).dispatch
-            args, kwargs = dispatch_one(fn, n, info.rank, args, kwargs, mesh, task.method,
-                                        info.group)
+            i = runners[0].index(info.rank) if runners else info.rank
+            args, kwargs = dispatch_one(fn, n, i, args, kwargs, mesh, task.method, info.group)
         return args, kwargs
 
     def _report(self, task: Task, error: BaseException) -> None:
