@@ -162,6 +162,40 @@ def check_cluster_fits(
         )
 
 
+def per_item_spec(spec: Any, name: str = "?") -> Any:
+    """The spec :meth:`ReplicaGang.call` runs a method with, so that its value holds one answer
+    per input item, in input order, on any mesh (dp, dp x tp, fsdp x dp, pp).
+
+    A ``slice_dp`` method runs each data rank's slice on every worker of that data rank (its
+    tp/pp peers too), and ``collect='flatten'`` joins every worker's answers in worker order: on
+    a mesh that is not plain dp that repeats slices (tp peers), orders them by global rank, not
+    data rank (fsdp x dp), or mixes in the other pipeline stages' outputs. The collect that
+    reads one output per data rank, in data-rank order, from the last pipeline stage is
+    ``'last_pp'`` (the routing rule's own); it is what the call is collected with, lazily (an
+    eager method's value would already be joined). ``dispatch='balance'`` already joins in
+    input order. Other dispatch modes give no per-item answers: ValueError naming the method.
+
+    >>> from twinkle_ray.core.functions import RemoteFunction
+    >>> s = per_item_spec(RemoteFunction(None, dispatch="slice_dp", collect="flatten", sync=True))
+    >>> s.collect, s.sync, s.lazy_collect
+    ('last_pp', False, True)
+    """
+    import copy
+
+    if spec.dispatch == "balance":
+        out = copy.copy(spec)
+    elif spec.dispatch == "slice_dp" and spec.collect in ("flatten", "last_pp"):
+        out = copy.copy(spec)
+        out.collect = "last_pp"
+    else:
+        raise ValueError(
+            f"ReplicaGang.call: {name}() has dispatch={spec.dispatch!r}, collect={spec.collect!r}; "
+            f"a served method takes a list and returns one answer per item (dispatch='slice_dp' "
+            f"or 'balance', collect='flatten')")
+    out.sync, out.lazy_collect = False, True
+    return out
+
+
 def _replica_namespace() -> str:
     """A namespace of our own per replica, so gang names never clash between replicas."""
     try:
@@ -377,13 +411,23 @@ class ReplicaGang:
 
     async def _call_once(self, method: Callable, items: Sequence, pad: Any,
                          timeout: float | None) -> list:
+        from .runtime.proxy import RemoteMethod
+
         items = list(items)
         dp = self.data_world_size
         padded = items + [pad] * max(0, dp - len(items))
+        if isinstance(method, RemoteMethod):  # one answer per item, in item order (any mesh)
+            method = RemoteMethod(method.proxy, method.name, per_item_spec(method.spec, method.name))
         result = method(padded)
         get = getattr(result, "get", None)
-        values = await asyncio.to_thread(get, timeout) if get is not None else result
-        return list(values)[: len(items)]
+        values = list(await asyncio.to_thread(get, timeout) if get is not None else result)
+        if len(values) != len(padded):
+            name = getattr(method, "name", getattr(method, "__name__", repr(method)))
+            raise RuntimeError(
+                f"ReplicaGang('{self.group.name}'): {name}() gave {len(values)} answer(s) for "
+                f"{len(padded)} item(s); a method served through ReplicaGang.call returns one "
+                f"answer per item of its slice")
+        return values[: len(items)]
 
     def topology(self) -> dict:
         """The gang's ranks, nodes and devices, plus the replica's namespace."""
