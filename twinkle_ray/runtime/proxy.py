@@ -345,7 +345,10 @@ class GangProxy:
         store; the directory must be reachable from every worker). Taken in
         order with this caller's calls; blocks until every rank has saved. After
         an automatic (``max_restarts``) or a manual ``restart()`` rebuild, each
-        new rank's ``load_state_dict(state)`` runs before any other call.
+        new rank's ``load_state_dict(state)`` runs before any other call, with a state of its
+        own (writable, independent of the saved copy). Files saved inside a
+        :class:`~twinkle_ray.checkpoint.CheckpointDir` save are found after it renames its
+        temporary folder to ``step-N`` (:func:`~twinkle_ray.checkpoint.saved_places`).
 
         Example::
 

@@ -17,6 +17,7 @@ Example (what the dispatcher does)::
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import os
@@ -333,10 +334,14 @@ class GangWorker:
         if not callable(fn):
             raise TypeError(f"{self.info.cls_name} has no load_state_dict(state): its saved state "
                             f"cannot be restored")
-        if isinstance(state, str):
+        if isinstance(state, str):  # a file: where it is now (a CheckpointDir renames its save)
             import torch
 
-            state = torch.load(state, weights_only=False)
+            from ..checkpoint import find_saved
+
+            state = torch.load(find_saved(state), weights_only=False)
+        else:  # from the object store: its arrays are read-only views of the saved copy
+            state = copy.deepcopy(state)  # the rank's own: writable, independent of the save
         fn(state)
 
     @ray.method(concurrency_group="control")

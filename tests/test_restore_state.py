@@ -1,0 +1,157 @@
+"""A restored state equals the saved one, is the rank's own (writable, independent of the saved
+copy), whichever documented way saved it: in memory, ``path=``, inside a ``CheckpointDir`` save.
+
+Pure part: the places a saved file is looked for (``checkpoint.saved_places``), generated. Ray
+part: one module gang of one worker, rebuilt by ``restart()``; its state holds every shape a
+``state_dict()`` has (numpy arrays, a 0-d one, torch tensors, dicts, nested lists and tuples, a
+large array, scalars). After each restore the rank checks, in place, that every array is
+writable and equal to the saved one, then changes it in place; a second restore from the same
+save gives the saved values again (the first restore did not write into the saved copy).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import leftovers
+from twinkle_ray import DeviceGroup, remote_class, remote_function
+from twinkle_ray.checkpoint import CheckpointDir, find_saved, saved_places
+
+
+def make_state(seed: int) -> dict:
+    import torch
+
+    rng = np.random.default_rng(seed)
+    return {
+        "w": rng.standard_normal((3, 4)),
+        "scalar_array": np.array(seed, dtype=np.int64),
+        "ints": rng.integers(0, 100, size=7, dtype=np.int32),
+        "t": torch.arange(6, dtype=torch.float32).reshape(2, 3) + seed,
+        "nested": {"m": [rng.standard_normal(2), (np.ones(3) * seed, {"deep": np.zeros(2) + seed})]},
+        "large": np.full(300_000, float(seed)),  # 2.4 MB: stored out of band by Ray
+        "step": seed,
+        "name": f"state-{seed}",
+    }
+
+
+def _arrays(value, path=""):
+    """(path, leaf) for every numpy array and tensor in ``value``."""
+    import torch
+
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _arrays(v, f"{path}/{k}")
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            yield from _arrays(v, f"{path}[{i}]")
+    elif isinstance(value, np.ndarray | torch.Tensor):
+        yield path, value
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+@remote_class()
+class Keeper:
+    def __init__(self):
+        self.state = make_state(0)
+
+    @remote_function(dispatch="all", collect="first")
+    def set_seed(self, seed: int) -> None:
+        self.state = make_state(seed)
+
+    @remote_function(dispatch="all", collect="first")
+    def check_and_touch(self, seed: int) -> list:
+        """What is wrong with the restored state (expected: ``make_state(seed)``), then every
+        array changed in place, as a training step would."""
+        wrong = [] if _same(self.state, make_state(seed)) else ["values differ"]
+        for where, leaf in _arrays(self.state):
+            try:
+                leaf += 1  # in place: a read-only array raises ValueError here
+            except (ValueError, RuntimeError) as e:
+                wrong.append(f"{where}: {type(e).__name__}: {e}")
+        return wrong
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+@pytest.fixture(scope="module")
+def keeper(ray_session):
+    import twinkle_ray
+
+    twinkle_ray.shutdown()
+    twinkle_ray.initialize(groups=[DeviceGroup("keep", 1, "cpu")])
+    yield Keeper(remote_group="keep")
+    twinkle_ray.shutdown()
+    actors, pgs = leftovers()
+    assert not actors and not pgs, (actors, pgs)
+
+
+@pytest.mark.slow  # two restarts of a one-worker gang per way of saving
+@pytest.mark.parametrize("way", ["memory", "path", "checkpoint_dir"])
+def test_a_restored_state_equals_the_saved_one_and_is_the_ranks_own(keeper, way, tmp_path):
+    seed = {"memory": 11, "path": 12, "checkpoint_dir": 13}[way]
+    keeper.set_seed(seed)()
+    if way == "memory":
+        keeper.save_state()
+    elif way == "path":
+        keeper.save_state(path=str(tmp_path / "states"))
+    else:  # the documented way (examples/checkpointing.py): inside a CheckpointDir save
+        ckpt = CheckpointDir(str(tmp_path / "ckpt"))
+        with ckpt.save(seed) as tmp:
+            keeper.save_state(os.path.join(tmp, "keeper"))
+        assert os.path.isfile(ckpt.latest().file("keeper", "rank0.pt"))  # renamed away
+    keeper.set_seed(99)()  # lost by the restore
+    for _ in range(2):  # the second restore reads the same save: the first did not change it
+        keeper.restart()
+        assert keeper.check_and_touch(seed)() == []
+
+
+# ------------------------------------------------------------------------------- pure part
+_names = st.text("abcxyz0123456789_", min_size=1, max_size=6)
+
+
+@given(st.lists(_names, max_size=3), st.integers(0, 999_999), st.lists(_names, min_size=1, max_size=3))
+def test_a_file_saved_inside_a_checkpoint_save_is_found_after_its_rename(before, step, after):
+    root = os.sep + os.path.join("ck", *before)
+    tmp = os.path.join(root, f".tmp-step-{step:06d}-123-ab12cd34")
+    places = saved_places(os.path.join(tmp, *after))
+    assert places == [os.path.join(tmp, *after),
+                      os.path.join(root, f"step-{step:06d}", *after)]
+    assert saved_places(os.path.join(root, *after)) == [os.path.join(root, *after)]
+
+
+def test_find_saved_prefers_the_temporary_place_then_the_renamed_one(tmp_path):
+    ckpt = CheckpointDir(str(tmp_path))
+    with ckpt.save(4) as tmp:
+        file = os.path.join(tmp, "g", "rank0.pt")
+        os.makedirs(os.path.dirname(file))
+        open(file, "w").close()
+        assert find_saved(file) == file  # a rebuild inside the with block
+    assert find_saved(file) == ckpt.path(4) + "/g/rank0.pt"
+    ckpt.prune(1)
+    with ckpt.save(5):
+        pass
+    ckpt.prune(1)  # step 4 removed: the error names both places
+    with pytest.raises(FileNotFoundError, match=r"looked at .*\.tmp-step-000004.*, .*step-000004"):
+        find_saved(file)
