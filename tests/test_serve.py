@@ -39,10 +39,12 @@ from twinkle_ray import (
     remote_function,
 )
 from twinkle_ray.serve import (
+    BadRequest,
     GangUnavailable,
     check_cluster_fits,
     deployment_options,
     error_response,
+    read_json,
     replica_bundles,
 )
 
@@ -407,3 +409,25 @@ def test_500_body_carries_a_request_id_found_in_the_log(caplog):
     assert body["request_id"] and "KeyError" in body["error"]
     [record] = [r for r in caplog.records if body["request_id"] in r.getMessage()]
     assert "alice" in str(record.exc_info[1])
+
+
+class _Request:
+    """What read_json reads of a Starlette request: method, headers, stream()."""
+
+    def __init__(self, body: bytes):
+        self.method, self.headers, self._body = "POST", {"content-length": str(len(body))}, body
+
+    async def stream(self):
+        yield self._body
+
+
+@pytest.mark.parametrize("number", [b"1e999", b"-1e999", b"1.5e400"])
+def test_a_number_out_of_a_floats_range_is_a_400_not_infinity(number):
+    """1e999 parsed to infinity; a handler echoing it answered 500 (JSON cannot carry it)."""
+    import asyncio
+
+    with pytest.raises(BadRequest, match=r"not JSON: the number .* is out of range") as info:
+        asyncio.run(read_json(_Request(b'{"t": ' + number + b"}")))
+    assert info.value.status == 400
+    assert asyncio.run(read_json(_Request(b'{"t": 1e300, "u": 0.5}'))) == {"t": 1e300, "u": 0.5}
+

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -465,6 +466,19 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite_float(text: str) -> float:
+    """A JSON number as a float; ValueError for one out of a float's range (``1e999`` would
+    parse to infinity, which JSON cannot carry back).
+
+    >>> _finite_float("1.5")
+    1.5
+    """
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range (a float cannot hold it)")
+    return value
+
+
 async def read_json(request: Any, *, max_bytes: int = MAX_BODY_BYTES,
                     max_depth: int = MAX_JSON_DEPTH, methods: Sequence[str] = ("POST",)) -> dict:
     """The JSON object in an HTTP request's body, or BadRequest (never unpickles anything).
@@ -475,7 +489,8 @@ async def read_json(request: Any, *, max_bytes: int = MAX_BODY_BYTES,
     an ``Allow`` header), a ``Content-Length`` over ``max_bytes`` (413, before
     any of the body is read; a body without one is read only up to
     ``max_bytes``), a body that is not UTF-8 JSON (``NaN``/``Infinity`` are not
-    JSON; nor are integers of more than 4300 digits), nested deeper than
+    JSON, nor a number out of a float's range such as ``1e999``; nor are integers of more
+    than 4300 digits), nested deeper than
     ``max_depth``, or not an object (400).
     """
     method = str(getattr(request, "method", "POST")).upper()
@@ -500,10 +515,11 @@ async def read_json(request: Any, *, max_bytes: int = MAX_BODY_BYTES,
         if len(body) > max_bytes:
             raise BadRequest(f"request body exceeds {max_bytes} bytes", status=413)
     try:
-        data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+        data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant,
+                          parse_float=_finite_float)
     except RecursionError:
         raise BadRequest(f"request body is nested too deeply (more than {max_depth} levels)") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN, a 5000-digit integer
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN, 1e999, a 5000-digit integer
         raise BadRequest(f"request body is not JSON: {e}") from None
     if not isinstance(data, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(data).__name__}")
