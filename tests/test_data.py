@@ -62,6 +62,61 @@ def test_local_loader_resume_matches_uninterrupted_run():
     assert head + list(b) + list(b) == expected
 
 
+class _Rows:
+    def __init__(self, rows):
+        self.rows = rows
+
+    def to_pylist(self):
+        return self.rows
+
+
+class Dataset:
+    """A stand-in for a ray.data.Dataset read as a stream (what DataLoader uses of one)."""
+
+    __module__ = "ray.data.dataset"
+
+    def __init__(self, n: int):
+        import types
+
+        self.n = n
+        self.context = types.SimpleNamespace(execution_options=types.SimpleNamespace())
+
+    def count(self) -> int:
+        return self.n
+
+    def iter_batches(self, batch_size: int, **kwargs):
+        for start in range(0, self.n, batch_size):
+            yield _Rows([{"id": i} for i in range(start, min(self.n, start + batch_size))])
+
+
+def test_a_streamed_loaders_resume_checks_drop_last_and_shuffle_buffer_size():
+    """Neither was checked: a changed buffer size changes the resumed order."""
+    kwargs = dict(batch_size=4, data_world_size=2, shuffle=True, seed=1)
+    saved = DataLoader(Dataset(20), shuffle_buffer_size=8, **kwargs).state_dict()
+    assert saved["shuffle_buffer_size"] == 8 and saved["drop_last"] is False
+    with pytest.raises(ValueError, match="shuffle_buffer_size=8, this loader 16"):
+        DataLoader(Dataset(20), shuffle_buffer_size=16, **kwargs).load_state_dict(saved)
+    with pytest.raises(ValueError, match="drop_last=False, this loader True"):
+        DataLoader(Dataset(20), shuffle_buffer_size=8, drop_last=True, **kwargs).load_state_dict(saved)
+    same = DataLoader(Dataset(20), shuffle_buffer_size=8, **kwargs)
+    same.load_state_dict({**saved, "step": 2})
+    assert same.state_dict()["step"] == 2
+    unshuffled = DataLoader(Dataset(20), batch_size=4, data_world_size=2, seed=1, shuffle_buffer_size=99)
+    unshuffled.load_state_dict({**saved, "shuffle": False})  # no shuffle: the buffer plays no part
+
+
+def test_skipping_past_a_streams_end_is_an_error_not_a_silent_epoch_end():
+    loader = DataLoader(Dataset(20), batch_size=4, data_world_size=2)  # 5 batches an epoch
+    loader.skip(2)
+    with pytest.raises(ValueError, match=r"skip\(4\): at step 2 of epoch 0, a streamed epoch of 5 "
+                                         r"batch\(es\) has only 3 left"):
+        loader.skip(4)
+    assert loader.state_dict()["step"] == 2  # unchanged
+    assert [b[0]["id"] for b in loader] == [8, 12, 16]
+    loader.skip(5)  # epoch 1, to its end: the next epoch starts, as iterating there does
+    assert (loader.state_dict()["epoch"], loader.state_dict()["step"]) == (2, 0)
+
+
 # ------------------------------------------------------------------------------ through Ray
 @pytest.fixture(scope="module")
 def rt(ray_session):

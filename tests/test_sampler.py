@@ -158,3 +158,25 @@ def test_stream_batcher_matches_index_sampler(n):
     # resuming after k batches skips k * batch_size items
     if len(expected) > 1:
         assert list(batcher.batches(range(n), skip=4)) == expected[1:]
+
+
+def test_an_empty_dataset_warning_says_its_own_drop_last(caplog):
+    """It said drop_last=True whatever drop_last was."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="twinkle_ray.core.sampler")
+    DeviceMeshSampler(0, 4, data_world_size=2)
+    [record] = caplog.records
+    assert "0 item(s) with batch_size=4 and drop_last=False give no batch" in record.getMessage()
+
+
+def test_numpy_integers_are_sizes_as_in_device_mesh():
+    import numpy as np
+
+    s = DeviceMeshSampler(np.int64(10), np.int32(4), data_world_size=np.int64(2))
+    assert [len(b) for b in s] == [4, 4, 2] and type(s.batch_size) is int
+    assert list(StreamBatcher(np.int64(4), data_world_size=np.int64(2)).batches(range(9))) == \
+        [[0, 1, 2, 3], [4, 5, 6, 7, 8]]
+    for bad in (True, 4.0, np.float64(4)):
+        with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+            DeviceMeshSampler(10, bad, data_world_size=2)

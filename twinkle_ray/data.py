@@ -138,7 +138,8 @@ class DataLoader:
         if data_rank is not None and not 0 <= data_rank < self.data_world_size:
             raise ValueError(f"data_rank {data_rank} is out of range for data world size {self.data_world_size}")
         self.data_rank = data_rank
-        self.batch_size = batch_size
+        # an int (a numpy one too): the sampler's or batcher's, checked there
+        self.batch_size = (self._batcher if self._sampler is None else self._sampler).batch_size
 
     def _pin_order(self) -> None:
         # A resumed epoch skips the rows already served: the stream's order must repeat.
@@ -207,7 +208,8 @@ class DataLoader:
             return self._sampler.state_dict()
         return {"epoch": self.epoch, "step": self.step, "seed": self.seed, "shuffle": self.shuffle,
                 "batch_size": self.batch_size, "data_world_size": self.data_world_size,
-                "drop_last": self._batcher.drop_last}
+                "drop_last": self._batcher.drop_last,
+                "shuffle_buffer_size": self.shuffle_buffer_size}
 
     @remote_function(sync=True)
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -216,8 +218,11 @@ class DataLoader:
         if self._sampler is not None:
             self._sampler.load_state_dict(state)
             return
-        for key, mine in (("seed", self.seed), ("shuffle", self.shuffle), ("batch_size", self.batch_size),
-                          ("data_world_size", self.data_world_size)):
+        checked = [("seed", self.seed), ("shuffle", self.shuffle), ("batch_size", self.batch_size),
+                   ("data_world_size", self.data_world_size), ("drop_last", self._batcher.drop_last)]
+        if self.shuffle:  # the buffer's size decides the shuffled order
+            checked.append(("shuffle_buffer_size", self.shuffle_buffer_size))
+        for key, mine in checked:
             if key in state and state[key] != mine:
                 raise ValueError(f"cannot resume: the saved state has {key}={state[key]!r}, this loader {mine!r}")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
@@ -235,11 +240,21 @@ class DataLoader:
 
     @remote_function(sync=True)
     def skip(self, steps: int) -> None:
-        """Move ``steps`` batches on (a sequence source may cross epoch ends; a stream may not)."""
+        """Move ``steps`` batches on. A sequence source may cross epoch ends; a stream may not:
+        skipping past its epoch's last batch is a ValueError (the stream is counted once, see
+        ``len()``), and skipping to its end starts the next epoch, as iterating there does."""
         self._iter = None
         if self._sampler is not None:
             self._sampler.skip(steps)
         else:
             if steps < 0:
                 raise ValueError(f"cannot skip a negative number of steps ({steps})")
+            n = len(self)
+            if self.step + steps > n:
+                raise ValueError(
+                    f"DataLoader.skip({steps}): at step {self.step} of epoch {self.epoch}, a streamed "
+                    f"epoch of {n} batch(es) has only {n - self.step} left; a stream is not skipped "
+                    f"across an epoch's end (set_epoch() starts another epoch)")
             self.step += steps
+            if self.step == n:
+                self.epoch, self.step = self.epoch + 1, 0

@@ -40,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -64,13 +65,22 @@ def _data_world_size(data_world_size: int | None, device_mesh: Any) -> int:
             )
         return dws
     dws = 1 if data_world_size is None else data_world_size
-    if not isinstance(dws, int) or dws < 1:
+    if not _is_int(dws) or dws < 1:
         raise ValueError(f"data_world_size must be a positive integer, got {dws!r}")
-    return dws
+    return int(dws)
+
+
+def _is_int(value: Any) -> bool:
+    """An integer: Python's or numpy's (as DeviceMesh and DeviceGroup take), not a bool.
+
+    >>> _is_int(np.int64(3)), _is_int(3), _is_int(True), _is_int(3.0)
+    (True, True, False, False)
+    """
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
 
 
 def _check_batch_size(batch_size: int, dws: int) -> None:
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if not _is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     if batch_size % dws:
         raise ValueError(
@@ -140,10 +150,11 @@ class DeviceMeshSampler:
         seed: int = 0,
         drop_last: bool = False,
     ):
-        if not isinstance(num_items, int) or num_items < 0:
+        if not _is_int(num_items) or num_items < 0:
             raise ValueError(f"num_items must be a non-negative integer, got {num_items!r}")
         self.data_world_size = _data_world_size(data_world_size, device_mesh)
         _check_batch_size(batch_size, self.data_world_size)
+        num_items, batch_size = int(num_items), int(batch_size)
         self.device_mesh = device_mesh
         self.num_items = num_items
         self.batch_size = batch_size
@@ -153,8 +164,8 @@ class DeviceMeshSampler:
         self._bounds = batch_bounds(num_items, batch_size, self.data_world_size, drop_last)
         if not self._bounds:
             logger.warning(
-                "DeviceMeshSampler: %d item(s) with batch_size=%d and drop_last=True give no batch",
-                num_items, batch_size,
+                "DeviceMeshSampler: %d item(s) with batch_size=%d and drop_last=%s give no batch",
+                num_items, batch_size, drop_last,
             )
         self.epoch = 0
         self.step = 0
@@ -324,7 +335,7 @@ class StreamBatcher:
     ):
         self.data_world_size = _data_world_size(data_world_size, device_mesh)
         _check_batch_size(batch_size, self.data_world_size)
-        self.batch_size = batch_size
+        self.batch_size = int(batch_size)
         self.drop_last = drop_last
 
     def batches(self, items: Iterable[T], skip: int = 0) -> Iterator[list[T]]:
