@@ -4,7 +4,7 @@ Each Serve replica owns one gang of sampler workers (a DeviceGroup mapped to
 the replica's placement-group bundles). Concurrent HTTP requests are
 batched with ``@serve.batch`` and one batch is split across the gang's
 data-parallel ranks (``slice_dp``); each answer says which rank made it. A
-dead worker is healed inside the replica: it rebuilds its gang while
+dead worker (or the gang's dispatcher) is healed inside the replica: it rebuilds its gang while
 requests wait, and re-runs the batch the death interrupted (sampling is
 seeded, so a re-run gives the same answer). Only a gang that cannot be
 rebuilt fails the health check, and Serve replaces the replica. Every bad

@@ -245,7 +245,10 @@ class ReplicaGang:
     Calls arriving meanwhile wait for the rebuild; a call that was in flight
     at the death (it raised ``WorkerDiedError``) is run again on the new gang,
     up to ``retries`` times, so the methods called through :meth:`call` must
-    be safe to repeat (sampling is; pass ``retries=0`` otherwise). Only when
+    be safe to repeat (sampling is; pass ``retries=0`` otherwise). A dead
+    dispatcher (the workers die with it) is respawned by the replica with its gang,
+    as the gang's creator respawns it (within the same limits, also for a class
+    without ``max_restarts``), restoring the state last saved to files. Only when
     the dispatcher gives up (a rebuild failed, or the budget is spent) or a
     rebuild takes longer than ``rebuild_timeout_s`` does the gang count as
     unavailable: calls and ``check_health`` raise :class:`GangUnavailable`

@@ -90,9 +90,11 @@ def create_gang(
             lazy_collect=runtime.lazy_collect,
         )
         proxy = _start(spec, runtime.start_timeout_s)
-        if max_restarts > 0:  # this proxy (the creator's) rebuilds a dead dispatcher and its gang
-            proxy.respawn_dispatcher(functools.partial(respawn, spec, runtime.start_timeout_s),
-                                     RebuildLedger(RestartPolicy(max_restarts, spec.restart_window_s)))
+        # this proxy (the creator's) rebuilds a dead dispatcher and its gang, once a restart
+        # policy allows rebuilds (the class's max_restarts, or a later set_restart_policy)
+        proxy.respawn_dispatcher(functools.partial(respawn, spec, runtime.start_timeout_s),
+                                 RebuildLedger(RestartPolicy(max_restarts, spec.restart_window_s))
+                                 if max_restarts > 0 else None)
         runtime.register(proxy, group.name, taken)
     except BaseException:
         runtime.release(group.name, taken)

@@ -110,6 +110,9 @@ class GangProxy:
         # history kept here, where it outlives the dispatcher); never pickled: only the creator can.
         self._respawn: Callable[..., tuple] | None = None
         self._budget: RebuildLedger | None = None
+        # How this (the creator's) proxy would respawn: armed by a restart policy that allows
+        # rebuilds (the class's max_restarts, or set_restart_policy later); never pickled.
+        self._respawner: Callable[..., tuple] | None = None
         self._saved_files: list | None = None  # files of the last save_state(path=...)
 
     # -- lookup --------------------------------------------------------------------------------
@@ -455,13 +458,25 @@ class GangProxy:
 
     def check_health(self, timeout: float = 10.0, wait: bool = False) -> None:
         """Raise WorkerDiedError if a worker of the gang died. ``wait``: first wait for an
-        automatic rebuild under way (then raise only if the gang stays down)."""
+        automatic rebuild under way (then raise only if the gang stays down); a dead
+        dispatcher is rebuilt with its gang, as the next call would (the creator's proxy,
+        within the restart policy), and its new gang checked."""
         self._check_open()
+        if wait and self._lost:
+            self._rebuild_dispatcher()
         if self._budget is not None:
             self._budget.catch_up()
         g = self._gang  # once: another thread may replace a dead dispatcher meanwhile
-        fetch([g.dispatcher.check_health.remote(wait)], [0], g, "check_health", timeout,
-              caller=self._hooks)
+        try:
+            fetch([g.dispatcher.check_health.remote(wait)], [0], g, "check_health", timeout,
+                  caller=self._hooks)
+        except WorkerDiedError:
+            if not (wait and self._lost):  # a worker's death, or no waiting asked for
+                raise
+            self._rebuild_dispatcher()  # the dispatcher died: raises if it is not rebuilt
+            g = self._gang
+            fetch([g.dispatcher.check_health.remote(wait)], [0], g, "check_health", timeout,
+                  caller=self._hooks)
 
     def set_restart_policy(self, max_restarts: int, window_s: float | None = None) -> str:
         """Rebuild the gang automatically at most ``max_restarts`` times within ``window_s``
@@ -474,17 +489,24 @@ class GangProxy:
             gang.set_restart_policy(3, window_s=600)   # 'max_restarts=3 within 600s'
         """
         self._check_open()
-        RestartPolicy(max_restarts, window_s)  # a bad value raises here, changing nothing
+        policy = RestartPolicy(max_restarts, window_s)  # a bad value raises, changing nothing
         described = ray.get(self._gang.dispatcher.set_restart_policy.remote(max_restarts, window_s))
         if self._budget is not None:
             self._budget.limit(max_restarts, window_s)
+        elif max_restarts > 0 and self._respawner is not None:  # the class had none: now the
+            self.respawn_dispatcher(self._respawner, RebuildLedger(policy))  # creator respawns
         return described
 
-    def respawn_dispatcher(self, respawn: Callable[..., tuple], budget: RebuildLedger) -> None:
+    def respawn_dispatcher(self, respawn: Callable[..., tuple],
+                           budget: RebuildLedger | None) -> None:
         """Make this (the creator's) proxy rebuild the gang when its dispatcher dies:
         ``respawn(saved_files, budget)`` returns (the new dispatcher, its describe()); at most
         as often as the gang's one restart budget (``budget``, which counts the dispatcher's
-        automatic rebuilds too) allows."""
+        automatic rebuilds too) allows. ``budget`` None: not yet (a class without
+        ``max_restarts``); a later ``set_restart_policy`` that allows rebuilds arms it."""
+        self._respawner = respawn
+        if budget is None:
+            return
         self._respawn, self._budget = respawn, budget
         budget.follow(self._gang.dispatcher)
 
