@@ -15,12 +15,18 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import leftovers
-from twinkle_ray import DeviceGroup, remote_class, remote_function
-from twinkle_ray.checkpoint import CheckpointDir, find_saved, saved_places
+from twinkle_ray import (
+    DeviceGroup,
+    GangRestartedError,
+    WorkerDiedError,
+    remote_class,
+    remote_function,
+)
+from twinkle_ray.checkpoint import CheckpointDir, find_saved, own_state, saved_places
 
 
 def make_state(seed: int) -> dict:
@@ -88,6 +94,13 @@ class Keeper:
                 wrong.append(f"{where}: {type(e).__name__}: {e}")
         return wrong
 
+    @remote_function(dispatch="all", collect="first")
+    def slow(self, seconds: float) -> str:
+        import time
+
+        time.sleep(seconds)
+        return "done"
+
     def state_dict(self) -> dict:
         return self.state
 
@@ -127,6 +140,20 @@ def test_a_restored_state_equals_the_saved_one_and_is_the_ranks_own(keeper, way,
         assert keeper.check_and_touch(seed)() == []
 
 
+@pytest.mark.slow  # a restart of a one-worker gang
+def test_a_call_in_flight_during_its_callers_restart_says_so(keeper):
+    """Nothing died: not WorkerDiedError ("a worker died ... call .restart()"), but what
+    happened, as close() gives GangClosedError; the gang is up again."""
+    pending = keeper.slow(60.0)
+    keeper.slow(0.0)  # queued behind it
+    keeper.restart()
+    with pytest.raises(GangRestartedError, match=r"gang keep/Keeper was restarted \(restart\(\)\) "
+                                                 r"while Keeper.slow\(\) was in flight") as info:
+        pending.get(timeout=60)
+    assert not isinstance(info.value, WorkerDiedError)
+    assert keeper.slow(0.0)() == "done"
+
+
 # ------------------------------------------------------------------------------- pure part
 _names = st.text("abcxyz0123456789_", min_size=1, max_size=6)
 
@@ -155,3 +182,51 @@ def test_find_saved_prefers_the_temporary_place_then_the_renamed_one(tmp_path):
     ckpt.prune(1)  # step 4 removed: the error names both places
     with pytest.raises(FileNotFoundError, match=r"looked at .*\.tmp-step-000004.*, .*step-000004"):
         find_saved(file)
+
+
+def _states():
+    """State shapes: numpy arrays (dtypes, 0-d, empty, large), torch tensors, dicts, lists,
+    tuples, nesting, scalars."""
+    import torch
+    from hypothesis.extra import numpy as hnp
+
+    arrays = hnp.arrays(st.sampled_from([np.float32, np.float64, np.int64, np.uint8, np.bool_]),
+                        hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5))
+    large = st.just(np.arange(300_000, dtype=np.float64))  # 2.4 MB: out of band in Ray
+    tensors = st.lists(st.floats(-1e3, 1e3), max_size=6).map(
+        lambda xs: torch.tensor(xs, dtype=torch.float64))
+    leaves = arrays | large | tensors | st.integers() | st.text(max_size=4) | st.none()
+    return st.recursive(leaves, lambda inner: st.lists(inner, max_size=3)
+                        | st.tuples(inner, inner)
+                        | st.dictionaries(st.text("abc", min_size=1, max_size=3), inner, max_size=3),
+                        max_leaves=8)
+
+
+def _from_object_store(state):
+    """What a worker gets from Ray's object store: pickle 5 with out-of-band buffers, read
+    back zero-copy from read-only memory (as Ray's plasma store hands them)."""
+    import pickle
+
+    buffers = []
+    data = pickle.dumps(state, protocol=5, buffer_callback=buffers.append)
+    readonly = [memoryview(bytes(b.raw())) for b in buffers]  # bytes: immutable
+    return pickle.loads(data, buffers=readonly)
+
+
+@settings(max_examples=60)  # a few large arrays among them: kept cheap for the quick tier
+@given(_states())
+def test_a_state_from_the_object_store_is_made_the_ranks_own(state):
+    import torch
+
+    stored = _from_object_store(state)
+    mine = own_state(stored)
+    assert _same(mine, state)  # equal, dtypes and shapes kept
+    for (_, leaf), (_, kept) in zip(_arrays(mine), _arrays(stored), strict=True):
+        if isinstance(leaf, np.ndarray):
+            assert leaf.flags.writeable and not np.shares_memory(leaf, kept)
+            leaf[...] = 0 if leaf.dtype != np.bool_ else False  # in place: the save is untouched
+        elif isinstance(leaf, torch.Tensor):
+            assert leaf.data_ptr() != kept.data_ptr() or leaf.numel() == 0
+            leaf.zero_()
+    assert _same(stored, state)
+

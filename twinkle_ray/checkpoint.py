@@ -43,6 +43,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -57,7 +58,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Checkpoint", "CheckpointDir", "TornCheckpointError", "find_saved", "saved_places"]
+__all__ = ["Checkpoint", "CheckpointDir", "TornCheckpointError", "find_saved", "own_state", "saved_places"]
 
 MANIFEST = "MANIFEST.json"
 _STEP_RE = re.compile(r"^step-(\d+)$")
@@ -86,6 +87,21 @@ def saved_places(path: str) -> list[str]:
         if m is not None:
             return [path, os.sep.join([*parts[:i], f"step-{m.group(1)}", *parts[i + 1:]])]
     return [path]
+
+
+def own_state(state: Any) -> Any:
+    """A saved state made the restoring rank's own: a deep copy. A state read from Ray's object
+    store holds its arrays as read-only views of the stored copy (zero-copy); the copy is
+    writable, equal, and shares no memory with the saved one, so the first in-place update
+    after a rebuild neither fails nor reaches the save a later rebuild reads again.
+
+    >>> import numpy as np
+    >>> saved = np.arange(3); saved.flags.writeable = False
+    >>> mine = own_state({"w": saved})["w"]
+    >>> mine.flags.writeable, np.shares_memory(mine, saved), mine.tolist()
+    (True, False, [0, 1, 2])
+    """
+    return copy.deepcopy(state)
 
 
 def find_saved(path: str) -> str:

@@ -17,7 +17,6 @@ Example (what the dispatcher does)::
 
 from __future__ import annotations
 
-import copy
 import importlib
 import logging
 import os
@@ -341,7 +340,9 @@ class GangWorker:
 
             state = torch.load(find_saved(state), weights_only=False)
         else:  # from the object store: its arrays are read-only views of the saved copy
-            state = copy.deepcopy(state)  # the rank's own: writable, independent of the save
+            from ..checkpoint import own_state
+
+            state = own_state(state)  # the rank's own: writable, independent of the save
         fn(state)
 
     @ray.method(concurrency_group="control")
