@@ -123,7 +123,7 @@ def test_a_class_the_workers_cannot_import_is_named_with_the_fix(runtime, tmp_pa
     import driver_only_mod
 
     runtime.initialize(groups=[DeviceGroup("g", 2, "cpu")])
-    with pytest.raises(RuntimeError, match=r"gang g/DriverOnly failed to start \(rank \d\): TypeError: DriverOnly or "
+    with pytest.raises(TypeError, match=r"gang g/DriverOnly failed to start \(rank \d\): TypeError: DriverOnly or "
                                            r"its constructor arguments cannot be unpickled in this Ray worker "
                                            r"\(ModuleNotFoundError: No module named 'driver_only_mod'\): a module "
                                            r"workers cannot import\? ship it with runtime_env working_dir/py_modules"):

@@ -69,7 +69,7 @@ def test_unpicklable_constructor_argument_is_named_and_keeps_no_claim(runtime):
 @pytest.mark.slow
 def test_constructor_that_raises_keeps_no_claim(runtime):
     runtime.initialize(groups=[DeviceGroup("dev", 2, "gpu")])
-    with pytest.raises(RuntimeError, match=r"gang dev/Boom failed to start \(rank \d\): "
+    with pytest.raises(ValueError, match=r"gang dev/Boom failed to start \(rank \d\): "
                                            r"ValueError: no constructor today"):
         Boom(remote_group="dev")
     _full_share(Holder(remote_group="dev"))

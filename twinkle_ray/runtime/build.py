@@ -24,7 +24,7 @@ from typing import Any
 import ray
 
 from .aio import RankFailed, all_or_first_error, quiet
-from .errors import cause_text
+from .errors import cause_text, portable
 from .health import PROGRESS_QUERY_S, DeathRecord, Health
 from .placement import refresh_slots
 from .ranks import GangState, RankState
@@ -35,6 +35,18 @@ logger = logging.getLogger(__name__)
 STOP_GRACE_S = 2.0
 # What a start past its deadline names when a rank did not say what it was doing.
 START = "the start (torch.distributed init and the constructor)"
+
+
+def own_error(e: BaseException) -> Exception | None:
+    """The exception a rank's own code raised in ``e`` (a Ray task error's cause), or None for
+    Ray's errors (a death, a system error): what a start that failed raises, with its type
+    kept, as the constructor raises it in local mode."""
+    from ray.exceptions import RayError
+
+    cause = getattr(e, "cause", None) if isinstance(e, RayError) else None
+    if isinstance(cause, Exception) and not isinstance(cause, RayError):
+        return cause
+    return None
 
 
 class Builder:
@@ -137,11 +149,13 @@ class Builder:
             await self.kill()
             rank = e.rank if isinstance(e, RankFailed) else None
             e = e.error if isinstance(e, RankFailed) else e
-            raise RuntimeError(
-                f"gang {spec.label} failed to start"
-                + (f" (rank {rank})" if rank is not None else "")
-                + f": {cause_text(e)}"
-            ) from None
+            why = (f"gang {spec.label} failed to start"
+                   + (f" (rank {rank})" if rank is not None else "") + f": {cause_text(e)}")
+            own = own_error(e) if gen == 1 else None
+            if own is not None:  # the constructor's own exception, as in local mode: type kept
+                own.add_note(why)
+                raise portable(own) from None  # (pickled again, to the caller: see portable)
+            raise RuntimeError(why) from None
         self._start_waits = None
         st.backend = started[0][0]
         for r, (_, pid) in zip(st.ranks, started, strict=True):

@@ -351,7 +351,7 @@ class GangProxy:
         new rank's ``load_state_dict(state)`` runs before any other call, with a state of its
         own (writable, independent of the saved copy). Files saved inside a
         :class:`~twinkle_ray.checkpoint.CheckpointDir` save are found after it renames its
-        temporary folder to ``step-N`` (:func:`~twinkle_ray.checkpoint.saved_places`).
+        temporary folder to ``step-N`` (``twinkle_ray.core.saved.saved_places``).
 
         Example::
 

@@ -155,7 +155,10 @@ class GangWorker:
         # ObjectRef or a LazyResult is given as its value, as a call's would be.
         args = tuple(_value_of(a) for a in args)
         kwargs = {k: _value_of(v) for k, v in kwargs.items()}
-        self.instance = cls(*args, **kwargs)
+        try:
+            self.instance = cls(*args, **kwargs)
+        except Exception as e:  # reaches the caller as itself (its type kept), as a method's does
+            raise portable(e) from None
         self.phase = None
         return backend, os.getpid()
 
@@ -336,11 +339,11 @@ class GangWorker:
         if isinstance(state, str):  # a file: where it is now (a CheckpointDir renames its save)
             import torch
 
-            from ..checkpoint import find_saved
+            from ..core.saved import find_saved
 
             state = torch.load(find_saved(state), weights_only=False)
         else:  # from the object store: its arrays are read-only views of the saved copy
-            from ..checkpoint import own_state
+            from ..core.saved import own_state
 
             state = own_state(state)  # the rank's own: writable, independent of the save
         fn(state)
