@@ -38,6 +38,7 @@ from .infra import is_master
 from .runtime.errors import (
     CallTimeoutError,
     GangClosedError,
+    GangRestartedError,
     GangStuckError,
     PlacementError,
     TurnError,
@@ -67,6 +68,7 @@ __all__ = [
     "DeviceGroup",
     "DeviceMesh",
     "GangClosedError",
+    "GangRestartedError",
     "GangStuckError",
     "LazyResult",
     "Platform",

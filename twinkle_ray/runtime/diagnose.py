@@ -40,7 +40,13 @@ from ray.exceptions import (
     RayTaskError,
 )
 
-from .errors import CallTimeoutError, GangClosedError, WorkerDiedError, death_cause
+from .errors import (
+    CallTimeoutError,
+    GangClosedError,
+    GangRestartedError,
+    WorkerDiedError,
+    death_cause,
+)
 from .reply import NotPicklable
 
 logger = logging.getLogger(__name__)
@@ -136,6 +142,8 @@ class GangRef:
                                        node_id=node_id, kind="dispatcher")
             except Exception:  # busy or unreachable: describe what we saw
                 death = None
+            if isinstance(death, GangRestartedError):  # the caller's restart(), not a death
+                return death.for_call(f"{self.cls_name}.{method}()")
             if death is not None:
                 if (death.group, death.cls) != (self.group, self.cls_name):
                     death.add_note(f"it produced an input of a call on {self.cls_name} in group "

@@ -150,6 +150,27 @@ class GangStuckError(WorkerDiedError):
                              self.grace_s))
 
 
+class GangRestartedError(RuntimeError):
+    """A call was in flight when its caller restarted the gang (``restart()``): it was cut short
+    and its results are gone. Nothing died, and the gang is already rebuilt: call it again.
+
+    >>> print(GangRestartedError("g/Model", "Model.step()"))
+    gang g/Model was restarted (restart()) while Model.step() was in flight: its results are gone; the gang is rebuilt: call it again
+    """
+
+    def __init__(self, label: str, call: str = "a call"):
+        self.label, self.call = label, call
+        super().__init__(f"gang {label} was restarted (restart()) while {call} was in flight: "
+                         f"its results are gone; the gang is rebuilt: call it again")
+
+    def for_call(self, call: str) -> GangRestartedError:
+        """The same, naming ``call``."""
+        return GangRestartedError(self.label, call)
+
+    def __reduce__(self):
+        return GangRestartedError, (self.label, self.call)
+
+
 class GangClosedError(RuntimeError):
     """A call was in flight when its gang was closed (``close()``, ``shutdown()``): it was cut
     short and its results are gone. Nothing died; there is nothing to restart.

@@ -70,6 +70,14 @@ class DeathRecord:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def cut_short(self, actor_ids: list[str], error: BaseException) -> None:
+        """Workers torn down by a ``restart()``, not dead: a call that fails on one of them
+        raises ``error`` (a death already recorded for one is kept)."""
+        for a in actor_ids:
+            self.by_actor.setdefault(a, error)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
     def not_rebuilt(self, reason: str, error: GangRebuildError | None) -> None:
         """No rebuild (``reason``); ``error`` (if any) is what calls raise from now on."""
         self.rebuild_error = reason

@@ -26,7 +26,13 @@ import time
 import ray
 
 from .build import Builder
-from .errors import GangRebuildError, PlacementError, WorkerDiedError, cause_text
+from .errors import (
+    GangRebuildError,
+    GangRestartedError,
+    PlacementError,
+    WorkerDiedError,
+    cause_text,
+)
 from .health import alive_node_ids
 from .placement import check_named_nodes, remove
 from .restarts import RestartMetrics, RestartPolicy
@@ -165,6 +171,9 @@ class Rebuilder:
         else:
             logger.warning("gang %s: restart() asked for; rebuilding it", self.state.label)
         death = self.deaths.restarting()  # what a failed rebuild followed
+        # a call in flight on the workers torn down now is cut short by the caller's restart
+        self.deaths.cut_short([r.actor_id for r in self.state.ranks if r.actor_id],
+                              GangRestartedError(self.state.label))
         # As a task of its own, like an automatic rebuild: calls (and a second restart) arriving
         # meanwhile wait for it instead of finding the gang half built.
         self._run(self._rebuild(death, "restart()", previous))
