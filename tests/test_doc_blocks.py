@@ -8,7 +8,8 @@ until someone says which.
 Run here, verbatim:
 
 - docs/deploy.md's Ray Serve section: its three ``# terminal N`` blocks, as a user would in
-  three terminals: terminal 1 (a head node, ``ray start --head --block``) and terminal 2
+  three terminals: terminal 1 (a head node, ``ray start --head --block``: the Jobs section's
+  head, the same block, run once for both) and terminal 2
   (``serve run deploy/serve.yaml``) in the background, terminal 3 (``serve status``, then the
   curl client) once terminal 2 printed the line the docs name and the app answers; then
   Ctrl-C (SIGINT to the process group, as a terminal sends it) stops terminal 2, then
@@ -22,8 +23,9 @@ Run here, verbatim:
   compiled, their imports imported, and each names what runs its code whole;
 - the pure command blocks (a groups file and its plan, ``--help`` of the CLI and the examples).
 
-The Serve and Jobs steps each start a head of their own, as the docs' blocks do; every
-step's T+seconds is printed (``pytest -s``) to show where their minutes go.
+The Jobs and Serve sections share their terminal 1 (one head, the same block), so they run
+in one go: the Jobs steps, then the Serve steps on that head. Every step's T+seconds is
+printed (``pytest -s``) to show where the minutes go.
 
 The head and Serve run in a private network namespace (``unshare -rn``: only a loopback
 interface, brought up first), so the docs' default ports (6379, 8000, 8265, ...) cannot clash
@@ -93,6 +95,8 @@ def section_terminals(heading: str) -> dict[int, str]:
 def test_docs_serve_section_has_the_three_terminals():
     t = serve_terminals()
     assert sorted(t) == [1, 2, 3], t
+    # one head for both sections: the test runs them on it, a reader may keep it running
+    assert t[1] == section_terminals("## 2. Ray Jobs")[1]
     for n in (1, 2):  # every terminal that talks to Ray sets both, before its first ray command
         assert "export RAY_AUTH_MODE=token" in t[n] and "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in t[n]
     assert "ray start --head --block --node-ip-address=127.0.0.1" in t[1]
@@ -140,10 +144,12 @@ def ready_line(terminals: dict[int, str]) -> str:
     return m.group(1)
 
 
-def _prelude(terminals: dict[int, str], work: Path) -> str:
-    """The driver script's start: the blocks written out as terminalN.sh, wait_for and stop."""
-    for n, block in terminals.items():
-        (work / f"terminal{n}.sh").write_text(block)
+def _prelude(work: Path, **sections: dict[int, str]) -> str:
+    """The driver script's start: each section's blocks written out as ``<section>N.sh``,
+    then wait_for and stop."""
+    for name, terminals in sections.items():
+        for n, block in terminals.items():
+            (work / f"{name}{n}.sh").write_text(block)
     return textwrap.dedent(f"""\
         set -m                      # job control: each terminal is a process group of its own
         ip link set lo up
@@ -163,29 +169,43 @@ def _prelude(terminals: dict[int, str], work: Path) -> str:
         """)
 
 
-def _driver(terminals: dict[int, str], work: Path) -> str:
-    """The bash script run inside the namespace: the docs' blocks, verbatim, as terminals."""
-    return _prelude(terminals, work) + textwrap.dedent(f"""\
-        bash $W/terminal1.sh > $W/t1.log 2>&1 &
+def _driver(jobs: dict[int, str], serve: dict[int, str], work: Path) -> str:
+    """The bash script run inside the namespace: the docs' blocks, verbatim, as terminals.
+
+    Terminal 1 (the head, the same block in both sections) in the background; the Jobs
+    section's terminal 2 to its end; docs/performance.md's metrics block on that head, as
+    from another terminal (terminal 1's ``source`` and ``export`` lines); then the Serve
+    section's terminal 2 in the background and its terminal 3 once terminal 2 printed the
+    line the docs name and the app answers; Ctrl-C stops terminal 2, then terminal 1."""
+    setup = [ln for ln in jobs[1].splitlines() if ln.startswith(("source ", "export "))]
+    (work / "metrics.py").write_text("\n".join(b for _, b in blocks_marked(ON_HEAD)))
+    return _prelude(work, jobs=jobs, serve=serve) + textwrap.dedent(f"""\
+        bash $W/jobs1.sh > $W/t1.log 2>&1 &
         T1=$!
         wait_for 180 grep -q "Ray runtime started" $W/t1.log \\
             || {{ echo "NO HEAD"; stop $T1 terminal1; exit 0; }}
         echo "T+$SECONDS head up"
-        bash $W/terminal2.sh > $W/t2.log 2>&1 &
+        timeout 420 bash $W/jobs2.sh > $W/jobs2.log 2>&1; echo "JOBS TERMINAL2 RC $?"
+        echo "T+$SECONDS job done"
+        (SETUP
+         timeout 120 python $W/metrics.py) > $W/metrics.log 2>&1; echo "METRICS RC $?"
+        echo "T+$SECONDS metrics read"
+        bash $W/serve2.sh > $W/serve2.log 2>&1 &
         T2=$!
-        wait_for 240 grep -qF {shlex.quote(ready_line(terminals))} $W/t2.log \\
+        wait_for 240 grep -qF {shlex.quote(ready_line(serve))} $W/serve2.log \\
             && echo "READY LINE" || echo "NO READY LINE"
         echo "T+$SECONDS config in"
         wait_for 240 curl -sf -m 10 -X POST http://127.0.0.1:8000/sample -d '{{"prompt": "up?"}}' \\
             && echo "APP UP" || echo "APP NOT UP"
         echo "T+$SECONDS app up"
         cat /proc/net/tcp /proc/net/tcp6 > $W/listening.txt
-        bash $W/terminal3.sh > $W/t3.log 2>&1; echo "TERMINAL3 RC $?"
+        ss -ltnp > $W/listening_by_process.txt 2>&1  # who listens, for a failure's message
+        bash $W/serve3.sh > $W/serve3.log 2>&1; echo "TERMINAL3 RC $?"
         stop $T2 terminal2
         echo "T+$SECONDS terminal 2 stopped"
         stop $T1 terminal1
         echo "T+$SECONDS terminal 1 stopped"
-        """)
+        """).replace("SETUP", "\n ".join(setup))
 
 
 def _terminal_env(work: Path) -> dict[str, str]:
@@ -224,53 +244,6 @@ def _run_in_namespace(work: Path, env: dict) -> tuple[str, list]:
     return out, left
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(RUN_TIMEOUT_S + 60)  # its own bound, with the output, comes first
-def test_serve_steps_of_the_docs_run_as_written(venv):
-    if not _userns_available():
-        pytest.skip("no unprivileged user + network namespaces here (unshare -rn); the docs' "
-                    "default ports cannot be used without one on a shared machine")
-    terminals = serve_terminals()
-    work = Path(tempfile.mkdtemp(prefix="trd", dir="/tmp"))  # short: Ray's unix socket paths
-    env = _terminal_env(work)
-    (work / "driver.sh").write_text(_driver(terminals, work))
-    out, left = _run_in_namespace(work, env)
-    print(out)  # the steps' T+seconds: where the time goes (pytest -s shows it)
-
-    def log(name: str) -> str:
-        p = work / name
-        return p.read_text(errors="replace")[-4000:] if p.exists() else "(none)"
-
-    where = (f"driver:\n{out}\nterminal 1:\n{log('t1.log')}\nterminal 2:\n{log('t2.log')}\n"
-             f"terminal 3:\n{log('t3.log')}")
-    try:
-        assert "READY LINE" in out, where  # the line the docs tell the reader to wait for
-        assert "APP UP" in out and "TERMINAL3 RC 0" in out, where
-        # terminal 3's `serve status`, run once the app answers: what the reader waits for
-        assert re.search(r"sampler:\s*\n\s*status: RUNNING", log("t3.log")), where
-        # terminal 3's answers: a sample, then the JSON error for a GET
-        answers = [json.loads(line) for line in log("t3.log").splitlines() if line.startswith("{")]
-        assert len(answers) == 2, where
-        assert isinstance(answers[0]["text"], str) and answers[0]["rank"] in (0, 1), answers
-        assert "not allowed" in answers[1]["error"], answers
-        # every listening socket in the namespace is on 127.0.0.1 (none on 0.0.0.0 / ::)
-        wildcard = []
-        for line in log("listening.txt").splitlines():
-            fields = line.split()
-            if len(fields) > 3 and fields[3] == "0A":  # TCP_LISTEN
-                addr, port = fields[1].split(":")
-                if addr in ("00000000", "0" * 32):
-                    wildcard.append(int(port, 16))
-        assert not wildcard, f"ports listening on all interfaces: {sorted(wildcard)}"
-        # Ctrl-C stops both terminals; the harmless Serve shutdown line is explained in the docs
-        assert "STOPPED terminal2" in out and "STOPPED terminal1" in out, where
-        if "graceful_shutdown failed" in log("t2.log"):
-            assert "ServeController.graceful_shutdown failed" in DOCS.read_text()
-        assert not left, f"processes survived Ctrl-C: {[c[:120] for _, c in left]}"
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
 # ---------------------------------------------------------------------------------- Ray Jobs
 def test_docs_jobs_section_has_the_head_and_the_submit_in_its_blocks():
     t = section_terminals("## 2. Ray Jobs")
@@ -282,60 +255,74 @@ def test_docs_jobs_section_has_the_head_and_the_submit_in_its_blocks():
     assert "ray stop" not in "".join(t.values())
 
 
-def _jobs_driver(terminals: dict[int, str], work: Path) -> str:
-    """Terminal 1 (the head), terminal 2 to its end; then docs/performance.md's metrics block,
-    run on that head as from a third terminal (terminal 1's ``source`` and ``export`` lines)."""
-    setup = [ln for ln in terminals[1].splitlines() if ln.startswith(("source ", "export "))]
-    (work / "metrics.py").write_text("\n".join(b for _, b in blocks_marked(ON_HEAD)))
-    return _prelude(terminals, work) + textwrap.dedent("""\
-        bash $W/terminal1.sh > $W/t1.log 2>&1 &
-        T1=$!
-        wait_for 180 grep -q "Ray runtime started" $W/t1.log \\
-            || { echo "NO HEAD"; stop $T1 terminal1; exit 0; }
-        echo "T+$SECONDS head up"
-        timeout 420 bash $W/terminal2.sh > $W/t2.log 2>&1; echo "TERMINAL2 RC $?"
-        echo "T+$SECONDS job done"
-        (SETUP
-         timeout 120 python $W/metrics.py) > $W/metrics.log 2>&1; echo "METRICS RC $?"
-        echo "T+$SECONDS metrics read"
-        stop $T1 terminal1
-        echo "T+$SECONDS terminal 1 stopped"
-        """).replace("SETUP", "\n ".join(setup))
-
-
 @pytest.mark.slow
-@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
-def test_jobs_steps_of_the_docs_run_as_written(venv):
-    """The Jobs section's blocks as written: the quick start submitted as a Ray Job to a head of
-    its own, the CLI listing the cluster's gangs; then docs/performance.md's metrics block on
-    that head. (tests/test_jobs.py submits the other examples; this is the quick start's run.)"""
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)  # its own bound, with the output, comes first
+def test_deploy_steps_of_the_docs_run_as_written(venv):
+    """docs/deploy.md's Jobs and Serve sections as written, on one head (their terminal 1 is
+    the same block): the quick start submitted as a Ray Job, the CLI listing the cluster's
+    gangs, docs/performance.md's metrics block, then the Serve app and its client.
+    (tests/test_jobs.py submits the other examples; this is the quick start's run.)"""
     if not _userns_available():
         pytest.skip("no unprivileged user + network namespaces here (unshare -rn); the docs' "
                     "default ports cannot be used without one on a shared machine")
-    terminals = section_terminals("## 2. Ray Jobs")
-    work = Path(tempfile.mkdtemp(prefix="trj", dir="/tmp"))  # short: Ray's unix socket paths
+    jobs, serve = section_terminals("## 2. Ray Jobs"), serve_terminals()
+    work = Path(tempfile.mkdtemp(prefix="trd", dir="/tmp"))  # short: Ray's unix socket paths
     env = _terminal_env(work)
-    (work / "driver.sh").write_text(_jobs_driver(terminals, work))
+    (work / "driver.sh").write_text(_driver(jobs, serve, work))
     out, left = _run_in_namespace(work, env)
     print(out)  # the steps' T+seconds: where the time goes (pytest -s shows it)
 
-    def log(name: str, tail: int) -> str:
+    def log(name: str, tail: int = 4000) -> str:
         p = work / name
         return p.read_text(errors="replace")[-tail:] if p.exists() else "(none)"
 
-    t2 = log("t2.log", 100_000)
-    where = (f"driver:\n{out}\nterminal 1:\n{log('t1.log', 3000)}\nterminal 2:\n{t2[-6000:]}\n"
-             f"metrics:\n{log('metrics.log', 3000)}")
+    jobs2 = log("jobs2.log", 100_000)
+    where = (f"driver:\n{out}\nterminal 1:\n{log('t1.log', 3000)}\n"
+             f"jobs, terminal 2:\n{jobs2[-6000:]}\nmetrics:\n{log('metrics.log', 3000)}\n"
+             f"serve, terminal 2:\n{log('serve2.log')}\nserve, terminal 3:\n{log('serve3.log')}")
     try:
-        assert "TERMINAL2 RC 0" in out, where
-        assert re.search(r"Job '[^']+' succeeded", t2), where  # what the docs say it ends with
+        # -- Ray Jobs
+        assert "JOBS TERMINAL2 RC 0" in out, where
+        assert re.search(r"Job '[^']+' succeeded", jobs2), where  # what the docs say it ends with
         # the job's own output, which `ray job submit` prints: its steps ran on the cluster
-        assert "done: 2 steps" in t2 and "trainer rank" in t2 and "loss (all-reduced" in t2, where
+        assert "done: 2 steps" in jobs2 and "trainer rank" in jobs2 and "loss (all-reduced" in jobs2, where
         # the job attached to the cluster (8 virtual GPUs it declared), it did not start its own Ray
-        assert "Connecting to existing Ray cluster" in t2 or "Started a local Ray" not in t2, where
-        assert "twinkle_ray gangs on 127.0.0.1:6379" in t2, where  # the CLI on loopback, no env var
+        assert "Connecting to existing Ray cluster" in jobs2 or "Started a local Ray" not in jobs2, where
+        assert "twinkle_ray gangs on 127.0.0.1:6379" in jobs2, where  # the CLI on loopback, no env var
         assert "METRICS RC 0" in out, where  # the metrics block read the head's endpoint
-        assert "STOPPED terminal1" in out and not left, where
+        # -- Ray Serve
+        assert "READY LINE" in out, where  # the line the docs tell the reader to wait for
+        assert "APP UP" in out and "TERMINAL3 RC 0" in out, where
+        # terminal 3's `serve status`, run once the app answers: what the reader waits for
+        assert re.search(r"sampler:\s*\n\s*status: RUNNING", log("serve3.log")), where
+        # terminal 3's answers: a sample, then the JSON error for a GET
+        answers = [json.loads(line) for line in log("serve3.log").splitlines() if line.startswith("{")]
+        assert len(answers) == 2, where
+        assert isinstance(answers[0]["text"], str) and answers[0]["rank"] in (0, 1), answers
+        assert "not allowed" in answers[1]["error"], answers
+        # every listening socket in the namespace is on 127.0.0.1 (none on 0.0.0.0 / ::), but
+        # the one the docs name: a Serve replica's inter-deployment gRPC server, which Ray 2.60
+        # binds to [::]:0 itself (replica.py: add_port_to_grpc_server(server, "[::]:0"))
+        by_process = log("listening_by_process.txt", 1_000_000)
+        wildcard = []
+        for line in log("listening.txt", 1_000_000).splitlines():
+            fields = line.split()
+            if len(fields) > 3 and fields[3] == "0A":  # TCP_LISTEN
+                addr, port = fields[1].split(":")
+                if addr in ("00000000", "0" * 32):
+                    wildcard.append(int(port, 16))
+        owners = {port: [ln for ln in by_process.splitlines() if f":{port} " in ln] for port in wildcard}
+        unexplained = [port for port, lines in owners.items()
+                       if not (lines and all("ray::ServeRepli" in ln for ln in lines))]
+        assert not unexplained, (f"ports listening on all interfaces: {sorted(unexplained)}\n"
+                                 f"{by_process}")
+        if wildcard:  # what the docs say about it is there
+            assert "inter-deployment gRPC" in DOCS.read_text()
+        # Ctrl-C stops both terminals; the harmless Serve shutdown line is explained in the docs
+        assert "STOPPED terminal2" in out and "STOPPED terminal1" in out, where
+        if "graceful_shutdown failed" in log("serve2.log", 1_000_000):
+            assert "ServeController.graceful_shutdown failed" in DOCS.read_text()
+        assert not left, f"processes survived Ctrl-C: {[c[:120] for _, c in left]}"
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
