@@ -177,6 +177,9 @@ def _ray_job(head: HeadNode, *args: str, timeout: float = 60.0) -> subprocess.Co
 
 
 @pytest.mark.slow
+# its own bounds first (the submit's, and the head's start in the module fixture it now sets up,
+# the quick start's submit having moved to tests/test_doc_blocks.py), not pytest's default 300 s
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S + START_TIMEOUT_S + 60)
 def test_rlhf_fsdp_hf_quick_runs_unchanged_under_ray_job_submit(head, ray_session, tmp_path):
     """examples/rlhf_fsdp_hf.py --quick (FSDP2 trainer gang, HF sampler gang) as a Ray Job."""
     import ray
