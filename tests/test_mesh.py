@@ -15,6 +15,7 @@ import pytest
 
 import twinkle_ray.core.context as context
 import twinkle_ray.core.mesh as mesh_module
+import twinkle_ray.core.mesh_checks as checks_module
 import twinkle_ray.core.mesh_factory as factory_module
 import twinkle_ray.core.routing as routing_module
 from twinkle_ray.core.context import get_rank, get_world_size
@@ -286,7 +287,7 @@ def test_mesh_is_copied_and_accepts_lists():
     assert DeviceMesh(mesh=[[0, 1], [2, 3]], mesh_dim_names=("dp", "tp")) == m
 
 
-@pytest.mark.parametrize("module", [mesh_module, factory_module, context, routing_module])
+@pytest.mark.parametrize("module", [mesh_module, checks_module, factory_module, context, routing_module])
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0

@@ -2,7 +2,12 @@
 
 Pure module (no Ray import).  A group says how many devices (or which ones) it uses,
 of which accelerator kind, and how many devices each worker process owns; the runtime
-turns it into one placement-group bundle per worker.
+turns it into one placement-group bundle per worker. The accelerator kinds themselves are
+in :mod:`twinkle_ray.core.accelerators`.
+
+One piece, a little over 400 lines: a group's checks read the very facts they guard (each
+worker's devices, the visible ids, its node), and ``check_groups`` checks several groups by
+those same facts, so splitting them would only pass the group's internals between modules.
 
 Example::
 
@@ -18,8 +23,8 @@ from __future__ import annotations
 import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import NamedTuple
+
+from .accelerators import ACCELERATORS, DEVICE_TYPE_ALIASES, Accelerator, normalize_device_type
 
 __all__ = [
     'ACCELERATORS',
@@ -32,47 +37,8 @@ __all__ = [
 ]
 
 
-class Accelerator(NamedTuple):
-    """What the runtime needs to know about one accelerator kind."""
-
-    resource_name: str | None  # Ray resource name; None for CPU-only
-    visible_devices_env: str | None  # env variable that pins a process to its devices
-    backend: str  # torch.distributed backend
-
-
-#: kind -> accelerator facts (names as Ray's ``ray._private.accelerators`` spells them).
-ACCELERATORS: Mapping[str, Accelerator] = MappingProxyType({
-    'gpu': Accelerator('GPU', 'CUDA_VISIBLE_DEVICES', 'nccl'),
-    'npu': Accelerator('NPU', 'ASCEND_RT_VISIBLE_DEVICES', 'hccl'),
-    'cpu': Accelerator(None, None, 'gloo'),
-})
-
-#: accepted ``device_type`` spellings (lower-cased) -> kind.
-DEVICE_TYPE_ALIASES: Mapping[str, str] = MappingProxyType({
-    'cuda': 'gpu',
-    'gpu': 'gpu',
-    'npu': 'npu',
-    'cpu': 'cpu',
-})
-
 #: Ray placement-group strategies.
 PLACEMENT_STRATEGIES = ('PACK', 'SPREAD', 'STRICT_PACK', 'STRICT_SPREAD')
-
-
-def normalize_device_type(device_type: str) -> str:
-    """Map a ``device_type`` spelling (any case) to its kind: ``'gpu'``, ``'npu'`` or ``'cpu'``.
-
-    Example::
-
-        >>> normalize_device_type('CUDA'), normalize_device_type('cpu')
-        ('gpu', 'cpu')
-    """
-    if isinstance(device_type, str):
-        kind = DEVICE_TYPE_ALIASES.get(device_type.strip().lower())
-        if kind is not None:
-            return kind
-    known = ', '.join(repr(k) for k in DEVICE_TYPE_ALIASES)
-    raise ValueError(f'unknown device_type {device_type!r}; known (any case): {known}')
 
 
 def _is_int(value: object) -> bool:

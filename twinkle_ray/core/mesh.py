@@ -12,6 +12,12 @@ Group membership follows torch exactly: the groups of dimension ``d`` are the
 rows of ``mesh.swapdims(-1, d).reshape(-1, mesh.shape[d])``, listed in torch
 2.13's order (row-major over the other coordinates).
 
+What a mesh is built from is checked in :mod:`twinkle_ray.core.mesh_checks`; the torch
+bridge is :mod:`twinkle_ray.core.mesh_torch`. This module stays one piece over 400 lines
+(most of it docstrings and their examples): every method is a query over the one array of
+ranks and its names, and the one data-rank rule that routing and the samplers share sits
+beside the coordinate maths it reads.
+
 Example::
 
     >>> mesh = DeviceMesh(mesh=np.arange(8).reshape(4, 2), mesh_dim_names=("pp", "tp"))
@@ -31,45 +37,28 @@ from typing import Any
 
 import numpy as np
 
+from .mesh_checks import (
+    KNOWN_DIMS,
+    check_dim_names,
+    check_flattened,
+    check_positive,
+    check_ranks,
+    is_int,
+    product_expr,
+    sizes_in_order,
+)
+from .mesh_torch import build_torch_mesh
 from .platform import Platform
 
 __all__ = ["DeviceMesh", "KNOWN_DIMS", "DATA_DIMS", "TWINKLE_DATA_ORDER"]
 
-#: Root dimension names a mesh may use (Twinkle's, plus NeMo's FSDP2/MoE names).
-KNOWN_DIMS: frozenset[str] = frozenset(
-    {"fsdp", "pp", "dp", "cp", "tp", "ep", "ep_fsdp", "ep_shard", "dp_replicate", "dp_shard"}
-)
 #: Dimensions whose index splits the data (see :meth:`DeviceMesh.data_dims_order` for the
 #: order in which they make up the data rank).
 DATA_DIMS: tuple[str, ...] = ("fsdp", "dp", "dp_replicate", "dp_shard")
 #: Twinkle's data dims, outermost first as its data rank reads them:
 #: ``data_rank = dp_rank * fsdp_world_size + fsdp_rank``.
 TWINKLE_DATA_ORDER: tuple[str, ...] = ("dp", "fsdp")
-#: Dimension order of :meth:`DeviceMesh.from_sizes`, outermost first.
-FROM_SIZES_ORDER: tuple[str, ...] = ("fsdp", "pp", "dp", "cp", "tp")
-
 _SIZE_ATTRS = ("ep_size", "etp_size", "vpp_size", "ulysses_size")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def _check_positive(name: str, value: Any) -> int:
-    if not _is_int(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _product_expr(sizes: dict[str, int]) -> str:
-    """``{'pp': 2, 'tp': 2}`` -> ``'pp_size=2 * tp_size=2 = 4'``."""
-    terms = " * ".join(f"{name}_size={size}" for name, size in sizes.items())
-    return f"{terms} = {math.prod(sizes.values())}"
-
-
-def _torch_device_type(device_type: str) -> str:
-    kind = device_type.lower()
-    return "cuda" if kind == "gpu" else kind
 
 
 def _coord_property(dim: str) -> property:
@@ -144,65 +133,18 @@ class DeviceMesh:
 
     # ------------------------------------------------------------------ build
     def __post_init__(self) -> None:
-        raw = np.asarray(self.mesh)
-        if raw.ndim == 0:
-            raise ValueError(f"mesh must have at least one dimension, got a scalar {raw!r}")
-        if raw.size and not np.issubdtype(raw.dtype, np.integer):
-            raise ValueError(f"mesh must hold integer ranks, got dtype {raw.dtype}")
-        if 0 in raw.shape:
-            raise ValueError(f"mesh sizes must be positive, got shape {raw.shape}")
-        mesh = raw.astype(np.int64, copy=True)
-        if mesh.min() < 0:
-            raise ValueError(f"mesh ranks must be non-negative, got {int(mesh.min())}")
-        if len(np.unique(mesh)) != mesh.size:
-            raise ValueError(f"mesh ranks must be distinct, got {mesh.tolist()}")
-        self.mesh = mesh
-
-        if isinstance(self.mesh_dim_names, str) or self.mesh_dim_names is None:
-            raise ValueError(
-                f"mesh_dim_names must be a tuple of names, got {self.mesh_dim_names!r}"
-            )
-        names = tuple(self.mesh_dim_names)
-        if len(names) != mesh.ndim:
-            raise ValueError(
-                f"mesh_dim_names {names} has {len(names)} names but the mesh has "
-                f"{mesh.ndim} dimensions (shape {mesh.shape})"
-            )
-        unknown = [n for n in names if n not in KNOWN_DIMS]
-        if unknown:
-            raise ValueError(f"unknown dim names {unknown} in {names}; known: {sorted(KNOWN_DIMS)}")
-        if len(set(names)) != len(names):
-            raise ValueError(f"mesh_dim_names must be distinct, got {names}")
-        self.mesh_dim_names = names
-
+        self.mesh = check_ranks(self.mesh)
+        self.mesh_dim_names = check_dim_names(self.mesh_dim_names, self.mesh.shape)
         for attr in _SIZE_ATTRS:
             value = getattr(self, attr)
             if value is not None:
-                setattr(self, attr, _check_positive(attr, value))
-
-        flattened: dict[str, tuple[str, ...]] = {}
-        for name, dims in dict(self.flattened).items():
-            dims = (dims,) if isinstance(dims, str) else tuple(dims)
-            if name in names:
-                raise ValueError(f"flattened name {name!r} is already a root dim of {names}")
-            missing = [d for d in dims if d not in names]
-            if not dims or missing:
-                raise ValueError(
-                    f"flattened {name!r} -> {dims}: unknown dim names {missing}; mesh has {names}"
-                )
-            order = [names.index(d) for d in dims]
-            if order != sorted(set(order)):
-                raise ValueError(
-                    f"flattened {name!r} -> {dims}: dims must be distinct and in mesh order {names}"
-                )
-            flattened[name] = dims
-        self.flattened = flattened
-
+                setattr(self, attr, check_positive(attr, value))
+        self.flattened = check_flattened(self.flattened, self.mesh_dim_names)
         ulysses = self.ulysses_size or 1
         if self._data_size % ulysses:
             raise ValueError(
                 f"ulysses_size ({ulysses}) must divide the data world size "
-                f"({_product_expr(self._data_sizes) if self._data_sizes else 1})"
+                f"({product_expr(self._data_sizes) if self._data_sizes else 1})"
             )
 
     @classmethod
@@ -244,30 +186,9 @@ class DeviceMesh:
             ...
             ValueError: world_size (8) does not equal the product of the mesh sizes (dp_size=2 * tp_size=2 = 4); ...
         """
-        world_size = _check_positive("world_size", world_size)
-        given = {"fsdp": fsdp_size, "pp": pp_size, "cp": cp_size, "tp": tp_size}
-        others = {
-            name: _check_positive(f"{name}_size", s) for name, s in given.items() if s is not None
-        }
-        if dp_size is None:
-            other_product = math.prod(others.values())
-            if world_size == 1:
-                dp_size = 1
-            elif world_size % other_product:
-                raise ValueError(
-                    f"cannot infer dp_size: world_size ({world_size}) is not divisible by "
-                    f"({_product_expr(others)})"
-                )
-            else:
-                dp_size = world_size // other_product
-        sizes = {**others, "dp": _check_positive("dp_size", dp_size)}
-        ordered = {name: sizes[name] for name in FROM_SIZES_ORDER if name in sizes}
+        ordered = sizes_in_order(world_size=world_size, dp_size=dp_size, fsdp_size=fsdp_size,
+                                 pp_size=pp_size, cp_size=cp_size, tp_size=tp_size)
         total = math.prod(ordered.values())
-        if world_size != 1 and world_size != total:
-            raise ValueError(
-                f"world_size ({world_size}) does not equal the product of the mesh sizes "
-                f"({_product_expr(ordered)}); pass dp_size=None to infer dp from world_size"
-            )
         return cls(
             mesh=np.arange(total).reshape(tuple(ordered.values())),
             mesh_dim_names=tuple(ordered),
@@ -556,14 +477,14 @@ class DeviceMesh:
             >>> [m.get_slice(10, r) for r in range(4)]
             [slice(0, 3, None), slice(3, 6, None), slice(6, 8, None), slice(8, 10, None)]
         """
-        if not _is_int(total_length) or total_length < 0:
+        if not is_int(total_length) or total_length < 0:
             raise ValueError(f"total_length must be a non-negative integer, got {total_length!r}")
         world = self.data_world_size
         if rank is None:
             if world == 1:
                 return slice(0, total_length)
             rank = self.get_data_rank_from_global_rank(self._current_rank())
-        elif not _is_int(rank) or not 0 <= rank < world:
+        elif not is_int(rank) or not 0 <= rank < world:
             raise ValueError(f"data rank {rank!r} is out of range for data_world_size {world}")
         per, extra = divmod(total_length, world)
         start = rank * per + min(rank, extra)
@@ -579,7 +500,7 @@ class DeviceMesh:
             [2, 3]
         """
         size = self.pp_world_size
-        if not _is_int(stage) or not 0 <= stage < size:
+        if not is_int(stage) or not 0 <= stage < size:
             raise ValueError(f"pp stage {stage!r} is out of range for pp size {size}")
         if not self.has_dim("pp"):
             return sorted(self.mesh.ravel().tolist())
@@ -654,35 +575,7 @@ class DeviceMesh:
             >>> dist.get_process_group_ranks(tm.get_group("tp"))  # on rank 5  # doctest: +SKIP
             [4, 5]
         """
-        import torch
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "DeviceMesh.to_torch() needs an initialised torch.distributed world "
-                "(torch.distributed.init_process_group, or a twinkle_ray worker); it is not"
-            )
-        world = dist.get_world_size()
-        if int(self.mesh.max()) >= world:
-            raise RuntimeError(
-                f"mesh uses rank {int(self.mesh.max())} but the torch.distributed world "
-                f"has only {world} ranks"
-            )
-        from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
-        from torch.distributed.device_mesh import init_device_mesh
-
-        kind = _torch_device_type(device_type or self.device_type)
-        if kind == "cuda" and not torch.cuda.is_available():
-            kind = "cpu"
-        if np.array_equal(self.mesh.ravel(), np.arange(self.mesh.size)):
-            torch_mesh = init_device_mesh(kind, self.shape, mesh_dim_names=self.mesh_dim_names)
-        else:
-            torch_mesh = TorchDeviceMesh(
-                kind, torch.as_tensor(self.mesh), mesh_dim_names=self.mesh_dim_names
-            )
-        for name, dims in self.flattened.items():
-            torch_mesh[dims]._flatten(name)
-        return torch_mesh
+        return build_torch_mesh(self, device_type)
 
     def to_torch_device_mesh(self) -> Any:
         """Twinkle's name for :meth:`to_torch`."""

@@ -37,7 +37,7 @@ import shutil
 import sys
 from typing import ClassVar
 
-from .group import ACCELERATORS, normalize_device_type
+from .accelerators import ACCELERATORS, normalize_device_type
 
 __all__ = ["CPU", "GPU", "NPU", "Platform", "is_master"]
 
