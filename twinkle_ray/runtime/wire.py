@@ -134,6 +134,7 @@ class Task(NamedTuple):
     split: Split | None
     balance: Any = None
     reslice: tuple | None = None  # see Slice
+    inline_bytes: int = 64 * 1024  # returns="inline": the most bytes of its result inline (reply.inline_limit)
 
 
 # --------------------------------------------------------------------------- the caller
