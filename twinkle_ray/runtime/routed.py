@@ -55,6 +55,11 @@ RECENT_REPLIES = 8
 RECENT_KEEP_S = 2.0
 
 
+# Collect modes whose join never reads the producer's mesh ('last_pp', 'last_pp_first' and
+# callables do).
+MESH_FREE = ("none", "flatten", "first", "mean", "sum")
+
+
 class RouteIn(NamedTuple):
     """What a rank's task carries of one routed argument (see the module docstring)."""
 
@@ -121,8 +126,11 @@ class Routes:
             source = Source(route.collect, None, reply.workers, producer.mesh,
                             producer.gpus_per_worker, reply.balanced)
             hints = {k: reply.refs[k] for k in likely_needed(source, cut)}
+            # the mesh only where the join reads it: pickling one costs more than the rest of
+            # a rank's task together (the dispatcher's time per call bounds a chain of calls)
+            mesh = None if route.collect in MESH_FREE else producer.mesh
             ins.append(RouteIn(
-                route.collect, list(reply.workers), producer.mesh, producer.gpus_per_worker,
+                route.collect, list(reply.workers), mesh, producer.gpus_per_worker,
                 reply.balanced, list(reply.records) if reply.records else None, hints,
                 reply_ref=route.reply_ref,
                 producer=GangRef(producer.group, producer.cls_name, dispatcher=None,
