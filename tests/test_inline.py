@@ -18,7 +18,15 @@ from ray.util import state
 from twinkle_ray import DeviceGroup, DeviceMesh, WorkerDiedError, remote_class, remote_function
 from twinkle_ray.core.functions import RemoteFunction
 from twinkle_ray.runtime.lazy import LazyResult
-from twinkle_ray.runtime.reply import INLINE_BYTES, Held, Inline, inline, values_of
+from twinkle_ray.runtime.reply import (
+    INLINE_BYTES,
+    INLINE_CALL_BYTES,
+    Held,
+    Inline,
+    inline,
+    inline_limit,
+    values_of,
+)
 from twinkle_ray.runtime.sequencer import SETTLED
 
 
@@ -76,6 +84,10 @@ class Echo:
     @remote_function(dispatch="all", collect="none")
     def plain(self, n: int) -> dict:
         return {"loss": 0.5, "ids": list(range(n)), "x": np.zeros(n, dtype=np.float32)}
+
+    @remote_function(dispatch="all", collect="none", sync=True)
+    def blob(self, n: int) -> bytes:
+        return b"x" * n
 
     @remote_function(dispatch="all", collect="none")
     def pid(self) -> int:
@@ -195,4 +207,22 @@ def test_an_eager_call_that_raises_names_the_rank(runtime):
         gang.refuse()
     assert "raised in Echo.refuse() on rank 1 of group 'inline'" in "\n".join(info.value.__notes__)
     assert gang.double([1, 2]) == [2, 4]  # the gang goes on
+    gang.close()
+
+
+@pytest.mark.slow
+def test_inline_bytes_are_bounded_per_call_whatever_the_gang_size(runtime):
+    """Guards against: the bound was per rank (64 KB), so 64 ranks brought 4 MB through the
+    dispatcher in one call. Now the call's inline results come to INLINE_CALL_BYTES at most:
+    in a gang of 9, results of 62 KB (each under INLINE_BYTES) stay in their workers' stores."""
+    n, size = 9, 62_000
+    assert n * size > INLINE_CALL_BYTES and size < INLINE_BYTES
+    assert inline_limit(n) * n <= INLINE_CALL_BYTES
+    runtime.initialize(groups=[DeviceGroup("inline", n, "cpu", cpus_per_worker=0.5)])
+    gang = Echo(device_mesh=DeviceMesh.from_sizes(dp_size=n), remote_group="inline")
+    out, _ = _inline_call(gang, "blob", size)
+    assert [type(v) for v in out.values] == [Held] * n
+    assert gang.blob(size) == [b"x" * size] * n  # the caller fetches them from the ranks
+    small, _ = _inline_call(gang, "blob", inline_limit(n) - 100)  # within its share: inline
+    assert [type(v) for v in small.values] == [Inline] * n
     gang.close()

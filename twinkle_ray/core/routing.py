@@ -146,10 +146,14 @@ class Joined(View):
     """What :func:`~twinkle_ray.core.dispatch.concat` makes of sequences: their segments
     ``(k, path, start, stop)`` one after another, as one ``kind`` ('list', 'ndarray', 'tensor')."""
 
-    __slots__ = ("segments", "kind", "extra")
+    __slots__ = ("segments", "kind", "extra", "fresh")
 
-    def __init__(self, segments: list[tuple[int, tuple, int, int]], kind: str, extra: Any = None):
+    def __init__(self, segments: list[tuple[int, tuple, int, int]], kind: str, extra: Any = None,
+                 fresh: bool = False):
         self.segments, self.kind, self.extra = segments, kind, extra
+        # the real join concatenates (several pieces): its value is a new array or tensor, so a
+        # window of it that lies in one output is not a view of that output (see _fill)
+        self.fresh = fresh
 
     @classmethod
     def of(cls, pieces: list) -> Joined:
@@ -157,6 +161,7 @@ class Joined(View):
         join as a list; arrays or tensors of one dtype and trailing shape as one of them),
         else NotWindowable (the real join decides)."""
         segments, kinds = [], set()
+        fresh = len(pieces) > 1
         for p in pieces:
             if isinstance(p, Piece):
                 segments.append((p.k, p.path, p.start, p.stop))
@@ -164,12 +169,13 @@ class Joined(View):
             elif isinstance(p, Joined):
                 segments.extend(p.segments)
                 kinds.add((p.kind, p.extra))
+                fresh = fresh or p.fresh
             else:
                 raise NotWindowable(f"a {type(p).__name__} joined with sequences")
         if len(kinds) != 1:
             raise NotWindowable(f"sequences of different types joined: {sorted(map(str, kinds))}")
         kind, extra = kinds.pop()
-        return cls(segments, kind, extra)
+        return cls(segments, kind, extra, fresh)
 
     @classmethod
     def join(cls, pieces: list) -> Joined:
@@ -189,7 +195,7 @@ class Joined(View):
         if not kept and self.segments:  # nothing: an empty part of the first, for its type
             k, path, a, _ = self.segments[0]
             kept = [(k, path, a, a)]
-        return Joined(kept, self.kind, self.extra)
+        return Joined(kept, self.kind, self.extra, self.fresh)
 
     def __repr__(self) -> str:
         return f"Joined({self.segments}, {self.kind})"
@@ -245,8 +251,11 @@ class Routed:
         part = routed.part(Split('slice_dp', 2, 0))    # fetches only what the part needs
     """
 
-    def __init__(self, source: Source, fetch: Callable[[list[int]], list]):
+    def __init__(self, source: Source, fetch: Callable[[list[int]], list],
+                 windowed: Callable[[Any], Any] | None = None):
         self.source, self.fetch = source, fetch
+        # a window of one output standing for the same window of a fresh concatenation
+        self.windowed = windowed or as_concatenated
         self._real: list | None = None  # [the joined value], once fetched
         self._skeleton: tuple[Any, dict] | None = None
         if source.records is not None and (source.balanced or source.mode in WINDOWED):
@@ -255,17 +264,21 @@ class Routed:
             except Exception:  # noqa: BLE001 -- not windowable (or an error the real join raises)
                 self._skeleton = None
 
-    def whole(self) -> Any:
-        """The joined value, fetched: the rule, literally."""
+    def whole(self, again: bool = False) -> Any:
+        """The joined value, fetched: the rule, literally. Fetched once; ``again``: fetched and
+        joined anew, a value of its own (as a second argument's fetched value would be)."""
+        if again:
+            return join(self.source, self.fetch)
         if self._real is None:
             self._real = [join(self.source, self.fetch)]
         return self._real[0]
 
-    def part(self, split: Split | None, location: str = "argument") -> Any:
+    def part(self, split: Split | None, location: str = "argument", again: bool = False) -> Any:
         """``split_arg(split, joined value)`` (the whole value when ``split`` is None),
-        fetching only the outputs it is made of when the skeletons allow it."""
+        fetching only the outputs it is made of when the skeletons allow it. Each call but
+        the first of ``whole`` gives objects of its own; ``again`` makes ``whole`` one too."""
         if split is None:
-            return self.whole()
+            return self.whole(again)
         if self._skeleton is not None:
             value, originals = self._skeleton
             try:
@@ -275,8 +288,8 @@ class Routed:
             if part is not None:
                 needed = sorted(_outputs_in(part, originals))
                 got = dict(zip(needed, self.fetch(needed), strict=True))
-                return _fill(part, originals, got)
-        return split_arg(split, self.whole(), location)
+                return _fill(part, originals, got, self.windowed)
+        return split_arg(split, self.whole(again), location)
 
     def list_lengths(self, location: str = "argument") -> dict[str, int]:
         """The length of the list ``'slice'`` would cut in this value, by name (none when
@@ -393,23 +406,45 @@ def _outputs_in(node: Any, originals: dict) -> set[int]:
     return set()
 
 
-def _fill(node: Any, originals: dict, got: dict[int, Any]) -> Any:
+def as_concatenated(value: Any) -> Any:
+    """``value``, a window of one output, as the same window of a fresh concatenation of
+    several outputs would be (what the real join gives, and ``concat`` of one piece does not):
+    an array a writable C-ordered copy (``np.concatenate`` of C-ordered outputs; a tensor
+    contiguous (``torch.cat``); anything else as it is.
+
+    >>> a = np.arange(4); a.flags.writeable = False
+    >>> as_concatenated(a[1:3]).flags.writeable
+    True
+    """
+    if isinstance(value, np.ndarray):
+        return np.array(value, order="C")
+    if is_tensor(value):
+        return value.contiguous()
+    return value
+
+
+def _fill(node: Any, originals: dict, got: dict[int, Any],
+          windowed: Callable[[Any], Any] = as_concatenated) -> Any:
     """The real value a skeleton part stands for, built with the real ``take`` and
-    ``concat`` from the fetched outputs ``got``."""
+    ``concat`` from the fetched outputs ``got``. A window of one output that the real join
+    cuts from a concatenation of several (a fresh value) is given as ``windowed`` makes it."""
     hit = originals.get(id(node))
     if hit is not None:
         return _at(got[hit[1]], hit[2])
     if isinstance(node, Piece):
         return take(_at(got[node.k], node.path), node.start, node.stop)
     if isinstance(node, Joined):
-        return concat([take(_at(got[k], path), a, b) for k, path, a, b in node.segments])
+        parts = [take(_at(got[k], path), a, b) for k, path, a, b in node.segments]
+        if len(parts) == 1 and node.fresh:
+            return windowed(parts[0])
+        return concat(parts)
     if isinstance(node, dict):
-        return {key: _fill(v, originals, got) for key, v in node.items()}
+        return {key: _fill(v, originals, got, windowed) for key, v in node.items()}
     if isinstance(node, tuple):
-        items = [_fill(x, originals, got) for x in node]
+        items = [_fill(x, originals, got, windowed) for x in node]
         return type(node)(*items) if hasattr(type(node), "_fields") else tuple(items)
     if isinstance(node, list):
-        return [_fill(x, originals, got) for x in node]
+        return [_fill(x, originals, got, windowed) for x in node]
     if isinstance(node, Leaf):
         return _at(got[node.k], node.path)
     raise TypeError(f"routing: unexpected part {node!r}")

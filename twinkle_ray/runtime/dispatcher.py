@@ -49,7 +49,7 @@ from .lazy import END_OF_ITERATION
 from .metrics import GangMetrics
 from .ranks import GangState
 from .rebuild import Rebuilder
-from .reply import Reply
+from .reply import Reply, inline_limit
 from .restarts import TICKETS_MAX
 from .routed import Routes
 from .sequencer import TURN_CALLERS_KEPT, Sequencer
@@ -340,11 +340,12 @@ class Dispatcher:
         with_record = call.returns == "meta"
         submit = self._submitters(call.method, with_record, workers)
         refs, records = [], []
+        limit = inline_limit(len(targets))  # an eager call's inline bytes: bounded per call
         for i in targets:
             s = call.slices[call.of_rank[i]] if call.of_rank is not None else call.slices[0]
             routes = Routes.for_rank(inputs, s.split) if inputs else ()
             task = Task(call.method, self.seq, call.returns, s.args, s.kwargs, s.nested, routes,
-                        s.split, s.balance, s.reslice)
+                        s.split, s.balance, s.reslice, limit)
             if with_record:
                 out, record = submit[i].remote(task, s.tops)
                 records.append(record)

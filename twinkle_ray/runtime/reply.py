@@ -11,8 +11,9 @@ each output's record (:func:`~twinkle_ray.core.routing.record_of`). Never payloa
   cost to its caller would otherwise grow with the gang's size.
 - **Inline.** An eager call (``sync=True``) wants values: each rank returns
   :func:`inline` of its result: the pickled bytes when they are at most
-  ``INLINE_BYTES`` (measured, not guessed), else a :class:`Held` ref to the result
-  left in the rank's object store. The dispatcher awaits them and replies with
+  ``INLINE_BYTES`` (measured, not guessed) and the call's results together at most
+  ``INLINE_CALL_BYTES`` (each rank's share: :func:`inline_limit`), else a :class:`Held`
+  ref to the result left in the rank's object store. The dispatcher awaits them and replies with
   them; it never unpickles a result (bytes are opaque to it), and payload never
   passes through it. The caller unpickles (:func:`values_of`).
 
@@ -38,6 +39,20 @@ PACK_REFS_OVER = 16
 # The most bytes a result's pickle may have to come back inline (Ray inlines small objects in
 # a task's reply up to 100 KiB).
 INLINE_BYTES = 64 * 1024
+# The most bytes an eager call's results may bring through its dispatcher inline, all ranks
+# together: each rank's share (``inline_limit``), past which its result stays in its store.
+INLINE_CALL_BYTES = 512 * 1024
+
+
+def inline_limit(ranks: int, call_bytes: int = INLINE_CALL_BYTES) -> int:
+    """The most bytes one rank's result may have to come back inline in a call that ``ranks``
+    ranks run: ``INLINE_BYTES``, or less in a gang so large that the call's inline results
+    together could pass ``call_bytes``.
+
+    >>> inline_limit(4), inline_limit(8), inline_limit(64)
+    (65536, 65536, 8192)
+    """
+    return min(INLINE_BYTES, call_bytes // max(ranks, 1))
 
 
 class Reply(NamedTuple):

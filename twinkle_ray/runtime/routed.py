@@ -41,11 +41,11 @@ from ray.exceptions import (
     RaySystemError,
 )
 
-from ..core.dispatch import Split, slice_length
+from ..core.dispatch import Split, is_tensor, slice_length
 from ..core.routing import Routed, Source, likely_needed
 from .diagnose import OUTPUT_REFS, GangRef, fetch, fetch_timed_out
 from .reply import Reply
-from .wire import PUT_BYTES, Route
+from .wire import PUT_BYTES, Route, contiguous_format, partial_view
 
 # The replies of this many recent calls are kept, each for RECENT_KEEP_S after it was
 # submitted, so a call chained right after one of them finds its producer's refs here. A
@@ -53,6 +53,11 @@ from .wire import PUT_BYTES, Route
 # chained call can be on its way: an idle gang pins nothing its callers dropped.
 RECENT_REPLIES = 8
 RECENT_KEEP_S = 2.0
+
+
+# Collect modes whose join never reads the producer's mesh ('last_pp', 'last_pp_first' and
+# callables do).
+MESH_FREE = ("none", "flatten", "first", "mean", "sum")
 
 
 class RouteIn(NamedTuple):
@@ -121,8 +126,11 @@ class Routes:
             source = Source(route.collect, None, reply.workers, producer.mesh,
                             producer.gpus_per_worker, reply.balanced)
             hints = {k: reply.refs[k] for k in likely_needed(source, cut)}
+            # the mesh only where the join reads it: pickling one costs more than the rest of
+            # a rank's task together (the dispatcher's time per call bounds a chain of calls)
+            mesh = None if route.collect in MESH_FREE else producer.mesh
             ins.append(RouteIn(
-                route.collect, list(reply.workers), producer.mesh, producer.gpus_per_worker,
+                route.collect, list(reply.workers), mesh, producer.gpus_per_worker,
                 reply.balanced, list(reply.records) if reply.records else None, hints,
                 reply_ref=route.reply_ref,
                 producer=GangRef(producer.group, producer.cls_name, dispatcher=None,
@@ -141,6 +149,7 @@ class Slots:
         self.routes, self.split = routes, split
         self.method, self.group = method, group
         self._routed: dict[int, Routed] = {}
+        self._given: set[int] = set()  # the slots whose value was given out once already
         self._slice_len: int | None = None
 
     def routed(self, j: int) -> Routed:
@@ -155,15 +164,22 @@ class Slots:
                 list(rin.records), rin.producer, rin.method, rin.workers)
             source = Source(mode, records, rin.workers, rin.mesh, rin.gpus_per_worker,
                             rin.balanced)
-            r = self._routed[j] = Routed(source, lambda ks, rin=rin: self._fetch(rin, ks))
+            r = self._routed[j] = Routed(source, lambda ks, rin=rin: self._fetch(rin, ks),
+                                         windowed=as_concatenated)
         return r
 
     def value(self, j: int) -> Any:
+        """Slot ``j``'s value, as the fetched value passed would arrive. Each argument the
+        slot is in gets objects of its own (each passed argument is unpickled on its own):
+        ``f(x, x)`` gets two values, never one object in both places; within one argument
+        the slot is unpickled once (pickle's memo), as the passed value would be."""
         rin: RouteIn = self.routes[j]
         split = self.split if rin.cut else None
         if split is not None and split.mode == "slice":
             split = split._replace(slice_len=self._common_length())
-        return as_passed(self.routed(j).part(split, rin.location))
+        again = j in self._given
+        self._given.add(j)
+        return as_passed(self.routed(j).part(split, rin.location, again))
 
     def _common_length(self) -> int | None:
         """Under 'slice', every list cut has one length: the plain list arguments' (the
@@ -205,35 +221,77 @@ def _asking(producer: GangRef) -> GangRef:
 
 
 def as_passed(value: Any) -> Any:
-    """``value`` with each numpy array as a passed value's would be: an array the caller puts
-    (``PUT_BYTES`` or more) arrives read-only, zero-copy from the object store; a smaller one
-    travels in the task's bytes and arrives writable. A routed array is a view of a producer's
-    output (read-only) or joined from several (writable): without this, whether ``x *= 2``
-    works would depend on the layout. Lists and dicts are the rank's own: changed in place.
+    """``value`` with each numpy array and tensor as the same value passed would arrive (the
+    wire's rules, :mod:`~twinkle_ray.runtime.wire`):
+
+    - an array of ``PUT_BYTES`` or more is put and fetched zero-copy: read-only;
+    - a smaller one travels in the task's pickle (protocol 5, in band), which keeps its
+      writeable flag: a window of a fetched output (read-only) stays read-only, a joined one
+      (a new array) writable;
+    - an array neither C- nor F-contiguous (or of objects) is pickled by value: a writable
+      C-ordered copy, whatever its size;
+    - a tensor that is a view of a larger storage is pickled as a contiguous copy of its
+      own elements.
+
+    Lists and dicts are the rank's own: changed in place.
 
     >>> a = np.zeros(3); a.flags.writeable = False
-    >>> as_passed([a])[0].flags.writeable
-    True
+    >>> as_passed([a])[0].flags.writeable, as_passed([a[::2]])[0].flags.writeable
+    (False, True)
     """
     if type(value) is np.ndarray:
-        if value.nbytes < PUT_BYTES or value.dtype.hasobject:  # (never put)
-            return value if value.flags.writeable else value.copy()
-        if value.flags.writeable:
+        flags = value.flags
+        if value.dtype.hasobject or not (flags.c_contiguous or flags.f_contiguous):
+            if flags.writeable and (flags.c_contiguous or flags.f_contiguous):
+                return value  # objects, contiguous and writable: as unpickled
+            return np.array(value, order="C")  # numpy pickles it by value
+        if value.nbytes >= PUT_BYTES and flags.writeable:
             value = value.view()
             value.flags.writeable = False
         return value
+    if is_tensor(value):
+        return _same_tensor(value)
     if isinstance(value, list):
         for i, v in enumerate(value):
-            if isinstance(v, list | dict | tuple | np.ndarray):
+            if type(v) not in _ATOMS and _carries_arrays(v):
                 value[i] = as_passed(v)
     elif isinstance(value, dict):
         for k, v in value.items():
-            if isinstance(v, list | dict | tuple | np.ndarray):
+            if type(v) not in _ATOMS and _carries_arrays(v):
                 value[k] = as_passed(v)
     elif isinstance(value, tuple):
         items = [as_passed(v) for v in value]
         if any(x is not y for x, y in zip(items, value, strict=True)):
             return type(value)(*items) if hasattr(type(value), "_fields") else type(value)(items)
+    return value
+
+
+_ATOMS = frozenset({int, float, str, bool, bytes, type(None)})
+
+
+def _carries_arrays(v: Any) -> bool:
+    return isinstance(v, list | dict | tuple) or type(v) is np.ndarray or is_tensor(v)
+
+
+def _same_tensor(t: Any) -> Any:
+    """Tensor ``t`` as the wire delivers it: a view of a larger storage is sent as a contiguous
+    copy of its own elements (``wire.Pickler``); any other keeps its strides."""
+    if partial_view(t):
+        return t.clone(memory_format=contiguous_format())
+    return t
+
+
+def as_concatenated(value: Any) -> Any:
+    """A window of one output standing for the same window of a fresh concatenation (the real
+    join's new array: C-ordered, writable), as :func:`as_passed` then treats it: an array
+    copied only when passing would not give a read-only zero-copy view anyway; a tensor
+    made contiguous."""
+    if isinstance(value, np.ndarray):
+        if value.flags.c_contiguous and value.nbytes >= PUT_BYTES and not value.dtype.hasobject:
+            return value  # put when passed: read-only, C-ordered (as_passed)
+        return np.array(value, order="C")
+    if is_tensor(value):
+        return value.contiguous()
     return value
 
 

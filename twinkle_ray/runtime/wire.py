@@ -134,6 +134,7 @@ class Task(NamedTuple):
     split: Split | None
     balance: Any = None
     reslice: tuple | None = None  # see Slice
+    inline_bytes: int = 64 * 1024  # returns="inline": the most bytes of its result inline (reply.inline_limit)
 
 
 # --------------------------------------------------------------------------- the caller
@@ -159,8 +160,8 @@ class Pickler(cloudpickle.CloudPickler):
             if isinstance(obj, Routable):
                 return _slot, (enc.route(obj, False, "argument"),)
             return _nested, (enc.nest(obj),)
-        if is_tensor(obj) and _partial_view(obj):  # torch pickles a view with its storage
-            return _same, (obj.clone(memory_format=_contiguous()),)
+        if is_tensor(obj) and partial_view(obj):  # torch pickles a view with its storage
+            return _same, (obj.clone(memory_format=contiguous_format()),)
         if enc is not None and _big_array(obj):
             return _top, (enc.put(obj),)
         return super().reducer_override(obj)
@@ -173,7 +174,7 @@ class Pickler(cloudpickle.CloudPickler):
         return buf.getvalue()
 
 
-def _partial_view(t: Any) -> bool:
+def partial_view(t: Any) -> bool:
     """Whether tensor ``t`` is a view of a larger storage (a slice of a batch): pickled, it
     would carry the whole storage. Plain strided tensors only; one that records gradients
     travels as it is."""
@@ -187,7 +188,7 @@ def _strided() -> Any:
     return torch.strided
 
 
-def _contiguous() -> Any:
+def contiguous_format() -> Any:
     import torch
 
     return torch.contiguous_format

@@ -239,7 +239,7 @@ class GangWorker:
         if task.returns == "meta":
             return result, record_of(result) if record is None else record
         if task.returns == "inline":
-            return inline(result)
+            return inline(result, task.inline_bytes)
         return result
 
     def _arguments(self, task: Task, tops: tuple) -> tuple[tuple, dict]:
