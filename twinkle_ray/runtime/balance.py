@@ -44,6 +44,9 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import itertools
 import logging
 import types
 from dataclasses import dataclass
@@ -51,7 +54,14 @@ from typing import Any
 
 import ray
 
-from ..core.balance import check_result, chunk_bounds, join_items, list_length, pick_chunk_size
+from ..core.balance import (
+    check_result,
+    chunk_bounds,
+    join_items,
+    list_length,
+    pick_chunk_size,
+    weight_version,
+)
 from ..core.dispatch import worker_data_ranks
 from ..core.functions import RemoteFunction
 from ..core.routing import record_balanced
@@ -71,6 +81,7 @@ class BalanceHead:
     chunk_size: int | None  # as asked (None: core.balance.pick_chunk_size decides)
     lazy: tuple = ()  # positions (int) / names (str) of the LazyResult arguments
     where: str = "?"  # 'Class.method()' for errors
+    in_flight: int = 1  # chunks a group keeps running at once (an async def method)
 
 
 @dataclass
@@ -118,7 +129,8 @@ def split(name: str, spec: RemoteFunction, gang: GangRef, execute: str, args: tu
 
         args = tuple(chunked(v) for v in args)
         kwargs = {k: chunked(v) for k, v in kwargs.items()}
-    heads = {d: BalanceHead(d, groups, spec.chunk_size, lazy, where) for d in set(data_ranks)}
+    heads = {d: BalanceHead(d, groups, spec.chunk_size, lazy, where, spec.in_flight)
+             for d in set(data_ranks)}
     return [(args, kwargs)] * len(data_ranks), [heads[d] for d in data_ranks]
 
 
@@ -132,7 +144,10 @@ def _large(value: list) -> bool:
 
 def run_chunks(worker: Any, task: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
     """A worker's loop over the chunks of one balanced call (see step 3): returns (its
-    results concatenated, or None when it ran no chunk; its record: its positions)."""
+    results concatenated in the order they finished, or None when it ran no chunk; its
+    record: their positions, in the same order). An ``async def`` method runs on the
+    worker's own event loop with ``in_flight`` chunks at once (:func:`_pump`); each finished
+    chunk is also noted in the worker's stream book for ``LazyResult.as_completed``."""
     head: BalanceHead = task.balance
     fn = _raw_method(worker.instance, task.method)
     n, bounds = None, None
@@ -150,27 +165,95 @@ def run_chunks(worker: Any, task: Any, args: tuple, kwargs: dict) -> tuple[Any, 
         if len(routed[key]) != n:
             raise ValueError(f"{head.where} (dispatch='balance'): argument {key!r} has "
                              f"{len(routed[key])} items, the list arguments {n}")
-    d, gen, world = worker.info.dispatcher, worker.info.generation, worker.info.world_size
-    results, positions = [], []
-    k = 0
-    while True:
-        j = ray.get(d.next_chunk.remote(gen, task.seq, head.group, k, len(bounds), world))
-        if j is None:
-            break
+
+    def cut_args(j: int) -> tuple[tuple, dict]:
         s, e = bounds[j]
 
-        def cut(key, v, j=j, s=s, e=e):
+        def cut(key, v):
             if isinstance(v, Chunks):
                 return v.piece(j)
             return v[s:e] if key in lists else v
 
-        out = fn(*(cut(i, v) for i, v in enumerate(args)), **{q: cut(q, v) for q, v in kwargs.items()})
-        check_result(out, e - s, head.where)
-        results.append(out)
-        positions.append((s, e))
-        k += 1
-    value = join_items(results) if results else None
-    return value, record_balanced(value, positions)
+        return (tuple(cut(i, v) for i, v in enumerate(args)),
+                {q: cut(q, v) for q, v in kwargs.items()})
+
+    loop = Loop(worker, task, head, bounds, cut_args)
+    entry = worker.streams.open(task.seq)
+    try:
+        if inspect.iscoroutinefunction(fn):
+            worker.loop.run(_pump(loop, fn, max(1, head.in_flight), entry))
+        else:
+            k = 0
+            while True:
+                j = ray.get(loop.ask(k))
+                if j is None:
+                    break
+                a, kw = cut_args(j)
+                first = weight_version(worker.instance)
+                out = fn(*a, **kw)
+                loop.finished(j, out, first, entry)
+                k += 1
+    except BaseException:
+        entry.end(failed=True)
+        raise
+    entry.end()
+    value = join_items(loop.results) if loop.results else None
+    return value, record_balanced(value, loop.positions)
+
+
+class Loop:
+    """One worker's state in one balanced call: how it asks, and what it has finished."""
+
+    def __init__(self, worker: Any, task: Any, head: BalanceHead, bounds: list, cut_args: Any):
+        self.worker, self.task, self.head, self.bounds = worker, task, head, bounds
+        self.cut_args = cut_args
+        self.results: list = []
+        self.positions: list[tuple[int, int]] = []
+
+    def ask(self, k: int) -> Any:
+        """The ref of the dispatcher's answer to this group's k-th ask (a chunk, or None). Each
+        of a worker's ``in_flight`` asking loops stops at its first None, so the call's table
+        entry ends once every worker has been told None that many times."""
+        info = self.worker.info
+        return info.dispatcher.next_chunk.remote(
+            info.generation, self.task.seq, self.head.group, k, len(self.bounds),
+            info.world_size * max(1, self.head.in_flight))
+
+    def finished(self, j: int, out: Any, first: int, entry: Any) -> None:
+        """Chunk j's result ``out``, checked, kept (in finish order) and noted for streams."""
+        s, e = self.bounds[j]
+        check_result(out, e - s, self.head.where)
+        self.results.append(out)
+        self.positions.append((s, e))
+        entry.add([(s, e, out, (first, weight_version(self.worker.instance)))])
+
+
+async def _pump(loop: Loop, fn: Any, in_flight: int, entry: Any) -> None:
+    """``in_flight`` asking loops on the worker's event loop: each asks for a chunk, awaits
+    the method on it, and asks again the moment it is done (pull: least in flight). The
+    first error cancels the others (their requests belong to the failed call) and is raised."""
+    asks = itertools.count()
+
+    async def one() -> None:
+        while True:
+            j = await loop.ask(next(asks))
+            if j is None:
+                return
+            a, kw = loop.cut_args(j)
+            first = weight_version(loop.worker.instance)
+            out = await fn(*a, **kw)
+            loop.finished(j, out, first, entry)
+
+    tasks = [asyncio.ensure_future(one()) for _ in range(in_flight)]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _raw_method(instance: Any, method: str) -> Any:

@@ -352,7 +352,8 @@ class Dispatcher:
                 out = submit[i].remote(task, s.tops)
             refs.append(out)
         balanced = any(s.balance is not None for s in call.slices)
-        return Reply(refs=refs, records=records, workers=targets, balanced=balanced)
+        return Reply(refs=refs, records=records, workers=targets, balanced=balanced,
+                     stream=(self.seq, self.state.generation) if balanced else None)
 
     async def next_chunk(self, gen: int, seq: int, group: int, k: int, n_chunks: int,
                          n_workers: int) -> int | None:
@@ -361,6 +362,13 @@ class Dispatcher:
         if gen != self.state.generation:
             return None
         return self.state.chunks.ask(seq, group, k, n_chunks, n_workers)
+
+    def stream_workers(self, gen: int) -> list | None:
+        """The workers of generation ``gen`` (None: the gang was rebuilt or is down since):
+        whom ``LazyResult.as_completed`` asks for a balanced call's finished chunks."""
+        if gen != self.state.generation or not self.state.workers:
+            return None
+        return list(self.state.workers)
 
     # -- submitting ----------------------------------------------------------------------------
     def _submitters(self, method: str, with_record: bool, workers: list) -> list:
