@@ -270,6 +270,47 @@ class Mortal:
         return os.getpid()
 
 
+@remote_class(distributed=False)
+class Peer:
+    def __init__(self, device_mesh=None):
+        self.seen: list = []
+
+    @remote_function(dispatch="balance", collect="flatten", chunk_size=1, in_flight=3)
+    async def gen(self, xs: list) -> list:
+        self.seen.append(xs[0])
+        await asyncio.sleep(0.001 * (xs[0] % 5))
+        return xs
+
+    @remote_function(dispatch="balance", collect="flatten", chunk_size=2, in_flight=1)
+    async def one_at_a_time(self, xs: list) -> list:
+        self.seen.append(tuple(xs))
+        await asyncio.sleep(0.001)
+        return xs
+
+    @remote_function(dispatch="all", collect="none")
+    def take_seen(self) -> list:
+        seen, self.seen = self.seen, []
+        return seen
+
+
+@pytest.mark.slow
+def test_tp_peers_get_the_same_chunks(runtime):
+    runtime.initialize(groups=[DeviceGroup("peers", 4, "cpu")])
+    gang = Peer(device_mesh=DeviceMesh.from_sizes(dp_size=2, tp_size=2), remote_group="peers")
+    xs = list(range(24))
+    lazy = gang.gen(xs)
+    got = list(lazy.as_completed(timeout=60))
+    assert sorted(c.index for c in got) == xs and lazy.get() == xs
+    seen = gang.take_seen()()  # ranks 0, 1: data group 0; ranks 2, 3: data group 1
+    assert sorted(seen[0]) == sorted(seen[1]) and sorted(seen[2]) == sorted(seen[3])
+    assert sorted(seen[0] + seen[2]) == xs
+    assert {c.index for c in got if c.rank == 0} == set(seen[0])
+    assert gang.one_at_a_time(xs)() == xs  # one in flight: the same chunks in the same order
+    seen = gang.take_seen()()
+    assert seen[0] == seen[1] and seen[2] == seen[3]
+    gang.close()
+
+
 @pytest.mark.slow
 def test_a_worker_killed_mid_stream_raises_worker_died(runtime):
     runtime.initialize(groups=[DeviceGroup("mortal", 2, "cpu")])

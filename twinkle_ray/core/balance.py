@@ -224,6 +224,17 @@ class ChunkTable:
             self.drop(seq)
         return index
 
+    def ask_many(self, seq: int, group: int, ks: list[int], n_chunks: int, n_workers: int
+                 ) -> list[int | None]:
+        """:meth:`ask` for each of ``ks`` in order (a group with several free slots asks for
+        them in one request).
+
+        >>> t = ChunkTable()
+        >>> t.ask_many(3, 0, [0, 1, 2], n_chunks=2, n_workers=1), len(t)
+        ([0, 1, None], 0)
+        """
+        return [self.ask(seq, group, k, n_chunks, n_workers) for k in ks]
+
     def drop(self, seq: int) -> None:
         """The call ended (or failed): forget it; later asks for it get None."""
         self.calls.pop(seq, None)

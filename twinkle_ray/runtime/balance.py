@@ -219,6 +219,13 @@ class Loop:
             info.generation, self.task.seq, self.head.group, k, len(self.bounds),
             info.world_size * max(1, self.head.in_flight))
 
+    def ask_many(self, ks: list[int]) -> Any:
+        """The ref of the dispatcher's answers to this group's asks ``ks`` (one request)."""
+        info = self.worker.info
+        return info.dispatcher.next_chunks.remote(
+            info.generation, self.task.seq, self.head.group, ks, len(self.bounds),
+            info.world_size * max(1, self.head.in_flight))
+
     def finished(self, j: int, out: Any, first: int, entry: Any) -> None:
         """Chunk j's result ``out``, checked, kept (in finish order) and noted for streams."""
         s, e = self.bounds[j]
@@ -229,31 +236,45 @@ class Loop:
 
 
 async def _pump(loop: Loop, fn: Any, in_flight: int, entry: Any) -> None:
-    """``in_flight`` asking loops on the worker's event loop: each asks for a chunk, awaits
-    the method on it, and asks again the moment it is done (pull: least in flight). The
-    first error cancels the others (their requests belong to the failed call) and is raised."""
+    """Up to ``in_flight`` requests at once on the worker's event loop: whenever slots are
+    free, one ask for that many chunks (``next_chunks``; never one before a slot is free: no
+    chunk waits here in reserve), each run as its own task, the next ask the moment one
+    finishes (pull: least in flight). Each slot stops at its first None; a worker that ran
+    out asks for the Nones its remaining slots are owed in one last request, so the call's
+    table entry ends once every worker has had ``in_flight`` of them. The first error
+    cancels the other requests (they belong to the failed call) and is raised."""
     asks = itertools.count()
+    running: set[asyncio.Future] = set()
+    ended = 0  # slots told None
 
-    async def one() -> None:
-        while True:
-            j = await loop.ask(next(asks))
-            if j is None:
-                return
-            a, kw = loop.cut_args(j)
-            first = weight_version(loop.worker.instance)
-            out = await fn(*a, **kw)
-            loop.finished(j, out, first, entry)
+    async def one(j: int) -> None:
+        a, kw = loop.cut_args(j)
+        first = weight_version(loop.worker.instance)
+        out = await fn(*a, **kw)
+        loop.finished(j, out, first, entry)
 
-    tasks = [asyncio.ensure_future(one()) for _ in range(in_flight)]
     try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for t in done:
-            if t.exception() is not None:
-                raise t.exception()
+        while True:
+            free = in_flight - len(running) - ended
+            if free > 0 and (ended == 0 or not running):
+                # asking again after a None only once the last request is done: the Nones owed
+                for j in await loop.ask_many([next(asks) for _ in range(free)]):
+                    if j is None:
+                        ended += 1
+                    else:
+                        running.add(asyncio.ensure_future(one(j)))
+            if not running:
+                if ended >= in_flight:
+                    return
+                continue
+            done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()
     finally:
-        for t in tasks:
+        for t in running:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*running, return_exceptions=True)
 
 
 def _raw_method(instance: Any, method: str) -> Any:

@@ -363,6 +363,13 @@ class Dispatcher:
             return None
         return self.state.chunks.ask(seq, group, k, n_chunks, n_workers)
 
+    async def next_chunks(self, gen: int, seq: int, group: int, ks: list[int], n_chunks: int,
+                          n_workers: int) -> list[int | None]:
+        """:meth:`next_chunk` for each of ``ks`` (a group's free slots, ``in_flight``)."""
+        if gen != self.state.generation:
+            return [None] * len(ks)
+        return self.state.chunks.ask_many(seq, group, ks, n_chunks, n_workers)
+
     def stream_workers(self, gen: int) -> list | None:
         """The workers of generation ``gen`` (None: the gang was rebuilt or is down since):
         whom ``LazyResult.as_completed`` asks for a balanced call's finished chunks."""
