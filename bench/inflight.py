@@ -108,12 +108,17 @@ def _asks(dispatcher, gen: int, concurrent: int) -> float:
     return (time.perf_counter() - t0) / ASKS
 
 
-def bench_inflight(cfg, items: int = ITEMS, pull_s: float = PULL_S, noop_items: int = NOOP_ITEMS
-                   ) -> list[dict]:
+def bench_inflight(cfg, items: int = ITEMS, pull_s: float = PULL_S, noop_items: int = NOOP_ITEMS,
+                   own_runtime: bool = True) -> list[dict]:
     """B11 rows: the stream against the zero-overhead pull and the batch-synchronous loop, then
-    no-op requests per second through one gang."""
+    no-op requests per second through one gang (``own_runtime`` False: in the runtime already
+    initialised, as a test does, at smaller sizes)."""
     repeats = max(1, min(3, cfg.chain_repeats))
-    twinkle.initialize("ray", groups=[DeviceGroup("b11", ENGINES, "cpu")], namespace="twinkle-bench")
+    group = DeviceGroup("b11", ENGINES, "cpu")
+    if own_runtime:
+        twinkle.initialize("ray", groups=[group], namespace="twinkle-bench")
+    else:
+        twinkle.initialize(groups=[group])
     gang = SleepEngine(device_mesh=DeviceMesh.from_sizes(dp_size=ENGINES), remote_group="b11")
     work = lengths(items, pull_s)
     zero = [0.0] * noop_items
@@ -128,7 +133,7 @@ def bench_inflight(cfg, items: int = ITEMS, pull_s: float = PULL_S, noop_items: 
             batches.append(_batch_sync(gang, work))
             noops.append(_stream(gang, zero)[0])
         topo = gang.topology()
-        dispatcher = ray.get_actor(topo["label"], namespace="twinkle-bench")
+        dispatcher = ray.get_actor(topo["label"], namespace=ray.get_runtime_context().namespace)
         ask_seq = _asks(dispatcher, topo["generation"], 1)
         ask_k = _asks(dispatcher, topo["generation"], K)
     finally:

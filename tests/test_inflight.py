@@ -255,6 +255,20 @@ def test_a_timeout_raises_call_timeout_error(engines):
     assert engines.gen1([0.0])() == [0.0]
 
 
+def test_the_dispatcher_keeps_no_chunk_table_after_streamed_calls(engines):
+    for k in KS:
+        assert len(list(getattr(engines, f"gen{k}")([0.0] * 20).as_completed(timeout=60))) == 20
+    with pytest.raises(KeyError):
+        engines.flaky(["bad", "ok", "ok"]).get()
+    import ray
+
+    label = engines.topology()["label"]
+    stats = ray.get(ray.get_actor(label, namespace=ray.get_runtime_context().namespace).stats.remote())
+    assert stats["balanced_calls"] == 0
+
+
+# ---------------------------------------------------------------------------- own gangs
+# (after every test of the module's gang: the runtime fixture shuts it down)
 @remote_class(distributed=False)
 class Mortal:
     def __init__(self, device_mesh=None):
@@ -327,6 +341,36 @@ def test_a_worker_killed_mid_stream_raises_worker_died(runtime):
     assert time.monotonic() - killed < 60  # bounded (the figure is in the report, not here)
     assert len({c.index for c in delivered}) == len(delivered)  # none twice
     gang.close()
+
+
+# ---------------------------------------------------------------------------- the table
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_peers_of_a_group_get_the_same_chunks_under_any_interleaving(data):
+    """Generated: G groups of P peers, each peer with K asking slots (an ask per free slot,
+    each slot ending at its first None), asks interleaved at random: every chunk runs in
+    exactly one group, a group's peers get the same chunk for the same ask, the call's entry
+    ends, and no answer is kept once every peer has read it."""
+    from twinkle_ray.core.balance import ChunkTable
+
+    groups, peers, k = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))
+    n_chunks = data.draw(st.integers(0, 20))
+    table = ChunkTable()
+    workers = [(g, p) for g in range(groups) for p in range(peers)]
+    asked = {w: 0 for w in workers}
+    alive = {w: k for w in workers}  # slots still asking
+    got: dict = {}
+    while any(alive.values()):
+        w = data.draw(st.sampled_from([w for w in workers if alive[w]]))
+        j = table.ask(7, w[0], asked[w], n_chunks, len(workers) * k, peers)
+        got.setdefault((w[0], asked[w]), set()).add(j)
+        asked[w] += 1
+        if j is None:
+            alive[w] -= 1
+    assert all(len(v) == 1 for v in got.values())  # peers: one answer per (group, ask)
+    chunks = sorted(j for v in got.values() for j in v if j is not None)
+    assert chunks == list(range(n_chunks))  # each chunk in exactly one group
+    assert len(table) == 0 and table.ask(7, 0, 0, n_chunks, 1, peers) is None
 
 
 # ---------------------------------------------------------------------------- the book

@@ -157,30 +157,47 @@ class ChunkAssigner:
 
     ``ask(group, k)``: the first peer of ``group`` to ask for its k-th chunk is
     given the next unassigned chunk (None once they run out); its peers asking
-    for the same ``(group, k)`` get the same answer. ``done`` once each of the
-    call's ``n_workers`` workers has been told None (its loop has ended).
+    for the same ``(group, k)`` get the same answer. ``done`` once the call's
+    ``n_workers`` asking loops have each been told None (each has ended).
+
+    Memory: with ``peers`` (the workers per group) known, an answer is kept only until
+    every peer has had it, and a None is never kept (once the chunks have run out every
+    later ask is None), so a call in flight holds the answers its slowest peers have yet
+    to read, not one per chunk; ``peers`` 0 (unknown) keeps every answer.
 
     >>> a = ChunkAssigner(1, n_workers=2)
     >>> a.ask(0, 0), a.ask(0, 0), a.ask(0, 1), a.done, a.ask(0, 1), a.done
     (0, 0, None, False, None, True)
+    >>> b = ChunkAssigner(3, n_workers=2, peers=2)
+    >>> b.ask(0, 0), len(b.given), b.ask(0, 0), len(b.given)
+    (0, 1, 0, 0)
     """
 
-    def __init__(self, n_chunks: int, n_workers: int):
+    def __init__(self, n_chunks: int, n_workers: int, peers: int = 0):
         self.n_chunks = n_chunks
         self.n_workers = n_workers
+        self.peers = peers
         self.next = 0
-        self.given: dict[tuple[int, int], int | None] = {}
+        self.given: dict[tuple[int, int], list] = {}  # key -> [answer, peers yet to ask]
         self.ended = 0
 
     def ask(self, group: int, k: int) -> int | None:
         key = (group, k)
-        if key not in self.given:
-            if self.next < self.n_chunks:
-                self.given[key] = self.next
-                self.next += 1
-            else:
-                self.given[key] = None
-        index = self.given[key]
+        kept = self.given.get(key)
+        if kept is not None:
+            index = kept[0]
+            kept[1] -= 1
+            if kept[1] == 0:
+                del self.given[key]
+        elif self.next < self.n_chunks:
+            index = self.next
+            self.next += 1
+            if self.peers != 1:
+                self.given[key] = [index, self.peers - 1 if self.peers else -1]
+        else:
+            index = None
+            if not self.peers:
+                self.given[key] = [None, -1]
         if index is None:
             self.ended += 1
         return index
@@ -213,19 +230,20 @@ class ChunkTable:
     def __len__(self) -> int:
         return len(self.calls)
 
-    def ask(self, seq: int, group: int, k: int, n_chunks: int, n_workers: int) -> int | None:
+    def ask(self, seq: int, group: int, k: int, n_chunks: int, n_workers: int,
+            peers: int = 0) -> int | None:
         if seq in self.ended:
             return None
         a = self.calls.get(seq)
         if a is None:
-            a = self.calls[seq] = ChunkAssigner(n_chunks, n_workers)
+            a = self.calls[seq] = ChunkAssigner(n_chunks, n_workers, peers)
         index = a.ask(group, k)
         if a.done:
             self.drop(seq)
         return index
 
-    def ask_many(self, seq: int, group: int, ks: list[int], n_chunks: int, n_workers: int
-                 ) -> list[int | None]:
+    def ask_many(self, seq: int, group: int, ks: list[int], n_chunks: int, n_workers: int,
+                 peers: int = 0) -> list[int | None]:
         """:meth:`ask` for each of ``ks`` in order (a group with several free slots asks for
         them in one request).
 
@@ -233,7 +251,7 @@ class ChunkTable:
         >>> t.ask_many(3, 0, [0, 1, 2], n_chunks=2, n_workers=1), len(t)
         ([0, 1, None], 0)
         """
-        return [self.ask(seq, group, k, n_chunks, n_workers) for k in ks]
+        return [self.ask(seq, group, k, n_chunks, n_workers, peers) for k in ks]
 
     def drop(self, seq: int) -> None:
         """The call ended (or failed): forget it; later asks for it get None."""

@@ -82,6 +82,7 @@ class BalanceHead:
     lazy: tuple = ()  # positions (int) / names (str) of the LazyResult arguments
     where: str = "?"  # 'Class.method()' for errors
     in_flight: int = 1  # chunks a group keeps running at once (an async def method)
+    peers: int = 0  # the workers of this data-parallel group (0: not known)
 
 
 @dataclass
@@ -129,8 +130,8 @@ def split(name: str, spec: RemoteFunction, gang: GangRef, execute: str, args: tu
 
         args = tuple(chunked(v) for v in args)
         kwargs = {k: chunked(v) for k, v in kwargs.items()}
-    heads = {d: BalanceHead(d, groups, spec.chunk_size, lazy, where, spec.in_flight)
-             for d in set(data_ranks)}
+    heads = {d: BalanceHead(d, groups, spec.chunk_size, lazy, where, spec.in_flight,
+                            data_ranks.count(d)) for d in set(data_ranks)}
     return [(args, kwargs)] * len(data_ranks), [heads[d] for d in data_ranks]
 
 
@@ -224,7 +225,7 @@ class Loop:
         info = self.worker.info
         return info.dispatcher.next_chunks.remote(
             info.generation, self.task.seq, self.head.group, ks, len(self.bounds),
-            info.world_size * max(1, self.head.in_flight))
+            info.world_size * max(1, self.head.in_flight), self.head.peers)
 
     def finished(self, j: int, out: Any, first: int, entry: Any) -> None:
         """Chunk j's result ``out``, checked, kept (in finish order) and noted for streams."""

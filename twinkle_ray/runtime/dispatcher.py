@@ -364,11 +364,12 @@ class Dispatcher:
         return self.state.chunks.ask(seq, group, k, n_chunks, n_workers)
 
     async def next_chunks(self, gen: int, seq: int, group: int, ks: list[int], n_chunks: int,
-                          n_workers: int) -> list[int | None]:
-        """:meth:`next_chunk` for each of ``ks`` (a group's free slots, ``in_flight``)."""
+                          n_workers: int, peers: int = 0) -> list[int | None]:
+        """:meth:`next_chunk` for each of ``ks`` (a group's free slots, ``in_flight``);
+        ``peers``: the workers per group (answers are kept only until each has read them)."""
         if gen != self.state.generation:
             return [None] * len(ks)
-        return self.state.chunks.ask_many(seq, group, ks, n_chunks, n_workers)
+        return self.state.chunks.ask_many(seq, group, ks, n_chunks, n_workers, peers)
 
     def stream_workers(self, gen: int) -> list | None:
         """The workers of generation ``gen`` (None: the gang was rebuilt or is down since):
@@ -420,6 +421,7 @@ class Dispatcher:
             "recent_replies": len(routes.recent) if routes is not None else 0,
             "producers": len(routes.producers) if routes is not None else 0,
             "bound_submitters": len(self._bound),
+            "balanced_calls": len(self.state.chunks),  # balanced calls handing out chunks now
         }
 
 
