@@ -114,6 +114,11 @@ class Engine:
         await asyncio.sleep(3.0)
         return xs
 
+    @remote_function(dispatch="balance", collect="flatten", chunk_size=2, in_flight=2)
+    async def sizes(self, blobs: list, tag: str) -> list:
+        await asyncio.sleep(0.001)
+        return [f"{tag}{len(b)}" for b in blobs]
+
     @remote_function(dispatch="balance", collect="flatten", chunk_size=2)
     def plain(self, xs: list) -> list:
         return [x + 1 for x in xs]
@@ -238,6 +243,14 @@ def test_versions_are_read_at_chunk_start_and_end(engines):
     assert all(len(c.versions) == 2 for c in plain)
 
 
+def test_a_large_batch_travels_as_put_chunks(engines):
+    blobs = [b"x" * (50_000 + i) for i in range(10)]  # over PUT_BYTES: one put per chunk
+    lazy = engines.sizes(blobs, tag="n=")
+    got = {c.index: c.value for c in lazy.as_completed(timeout=60)}
+    assert got == {i: f"n={50_000 + i}" for i in range(10)}
+    assert lazy.get() == [f"n={50_000 + i}" for i in range(10)]
+
+
 # ---------------------------------------------------------------------------- errors
 def test_a_raising_request_ends_the_call_with_its_type(engines):
     items = ["ok"] * 6 + ["bad"] + ["ok"] * 6
@@ -269,7 +282,7 @@ def test_the_dispatcher_keeps_no_chunk_table_after_streamed_calls(engines):
 
 # ---------------------------------------------------------------------------- own gangs
 # (after every test of the module's gang: the runtime fixture shuts it down)
-@remote_class(distributed=False)
+@remote_class(distributed=False, max_restarts=1)
 class Mortal:
     def __init__(self, device_mesh=None):
         pass
@@ -340,6 +353,10 @@ def test_a_worker_killed_mid_stream_raises_worker_died(runtime):
             delivered.append(c)
     assert time.monotonic() - killed < 60  # bounded (the figure is in the report, not here)
     assert len({c.index for c in delivered}) == len(delivered)  # none twice
+    # rebuilt (max_restarts=1); the call is not re-run there, and the next one streams
+    again = list(gang.gen([0.01] * 6).as_completed(timeout=120))
+    assert sorted(c.index for c in again) == list(range(6))
+    assert gang.topology()["generation"] == 2
     gang.close()
 
 

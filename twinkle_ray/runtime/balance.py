@@ -167,18 +167,20 @@ def run_chunks(worker: Any, task: Any, args: tuple, kwargs: dict) -> tuple[Any, 
             raise ValueError(f"{head.where} (dispatch='balance'): argument {key!r} has "
                              f"{len(routed[key])} items, the list arguments {n}")
 
-    def cut_args(j: int) -> tuple[tuple, dict]:
+    def cut_args(j: int, fetched: dict | None = None) -> tuple[tuple, dict]:
+        """Chunk j's arguments (``fetched``: the values of put pieces, by argument)."""
         s, e = bounds[j]
 
         def cut(key, v):
             if isinstance(v, Chunks):
-                return v.piece(j)
+                return fetched[key] if fetched and key in fetched else v.piece(j)
             return v[s:e] if key in lists else v
 
         return (tuple(cut(i, v) for i, v in enumerate(args)),
                 {q: cut(q, v) for q, v in kwargs.items()})
 
     loop = Loop(worker, task, head, bounds, cut_args)
+    loop.args, loop.kwargs = args, kwargs
     entry = worker.streams.open(task.seq)
     try:
         if inspect.iscoroutinefunction(fn):
@@ -208,6 +210,8 @@ class Loop:
     def __init__(self, worker: Any, task: Any, head: BalanceHead, bounds: list, cut_args: Any):
         self.worker, self.task, self.head, self.bounds = worker, task, head, bounds
         self.cut_args = cut_args
+        self.args: tuple = ()  # the call's arguments (Chunks in place of the list ones)
+        self.kwargs: dict = {}
         self.results: list = []
         self.positions: list[tuple[int, int]] = []
 
@@ -249,7 +253,11 @@ async def _pump(loop: Loop, fn: Any, in_flight: int, entry: Any) -> None:
     ended = 0  # slots told None
 
     async def one(j: int) -> None:
-        a, kw = loop.cut_args(j)
+        # put pieces awaited, never fetched with a blocking get on the loop other requests share
+        puts = {key: v.pieces[j] for key, v in [*enumerate(loop.args), *loop.kwargs.items()]
+                if isinstance(v, Chunks) and isinstance(v.pieces[j], ray.ObjectRef)}
+        fetched = dict(zip(puts, await asyncio.gather(*puts.values()), strict=True)) if puts else None
+        a, kw = loop.cut_args(j, fetched)
         first = weight_version(loop.worker.instance)
         out = await fn(*a, **kw)
         loop.finished(j, out, first, entry)

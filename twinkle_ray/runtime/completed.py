@@ -37,23 +37,25 @@ SUPPORTED = ("a dispatch='balance' call (its result is one item per input, joine
              "order); other calls give their result whole: get()")
 
 
-def completions(lazy: Any, timeout: float | None) -> Iterator[Completed]:
-    """See :meth:`LazyResult.as_completed`. Raises TypeError at once (not at the first
+def completions(lazy: Any, timeout: float | None, where: str, caller: Any = None
+                ) -> Iterator[Completed]:
+    """See :meth:`LazyResult.as_completed` (``where`` names the call, ``caller`` is the proxy
+    that made it, for its error contract). Raises TypeError at once (not at the first
     ``next``) on a call that is not balanced."""
     start = time.monotonic()
     reply = lazy.reply(timeout)
     if not reply.balanced or reply.stream is None:
-        raise TypeError(f"{lazy._where}: as_completed() needs {SUPPORTED}")
+        raise TypeError(f"{where}: as_completed() needs {SUPPORTED}")
     deadline = None if timeout is None else start + timeout
-    return _stream(lazy, reply, deadline, timeout)
+    return _stream(lazy, reply, deadline, timeout, where, caller)
 
 
 def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-def _stream(lazy: Any, reply: Any, deadline: float | None, stated: float | None
-            ) -> Iterator[Completed]:
+def _stream(lazy: Any, reply: Any, deadline: float | None, stated: float | None, where: str,
+            caller: Any) -> Iterator[Completed]:
     gang, method = lazy.gang, lazy.method
     seq, gen = reply.stream
     _, data_ranks = worker_data_ranks(len(reply.workers), gang.mesh, gang.gpus_per_worker,
@@ -71,7 +73,7 @@ def _stream(lazy: Any, reply: Any, deadline: float | None, stated: float | None
     def check(ks: list[int]) -> list:
         """The records of workers ``ks`` (the call's error, if they failed, raised)."""
         return fetch([reply.records[k] for k in ks], [reply.workers[k] for k in ks], gang,
-                     method, _left(deadline), stated, lazy._caller)
+                     method, _left(deadline), stated, caller)
 
     if handles is not None:
         streams = {handles[reply.workers[k]].stream.remote(seq): (d, k) for d, k in readers.items()}
@@ -79,7 +81,7 @@ def _stream(lazy: Any, reply: Any, deadline: float | None, stated: float | None
             ready, _ = ray.wait(list(streams), num_returns=1, timeout=_left(deadline))
             if not ready:
                 late = sorted(reply.workers[k] for _, k in streams.values())
-                raise CallTimeoutError(f"{lazy._where}: rank(s) {late} did not finish within "
+                raise CallTimeoutError(f"{where}: rank(s) {late} did not finish within "
                                        f"{stated:g}s (as_completed)", late)
             for g in ready:
                 d, k = streams[g]

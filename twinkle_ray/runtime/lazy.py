@@ -230,7 +230,8 @@ class LazyResult(Pending, Routable):
                 rewards[c.index] = score(c.value)
         """
         ray_running()
-        return completions(self, timeout if timeout is not None else self.timeout)
+        return completions(self, timeout if timeout is not None else self.timeout, self._where,
+                           self._caller)
 
     def done(self) -> bool:
         """Whether every rank has finished this call (with a value or an error); never waits."""
