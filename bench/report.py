@@ -15,7 +15,7 @@ starts with ``{`` is read, so a captured stdout with Ray's warnings in it works 
 - ``python -m bench.peer_twinkle_kit`` (``{"info", "rows"}``: the peer side by side);
 - ``python -m bench.flow2node`` or ``python -m bench.weight_sync`` (one row, ``{"name": ...}``).
 
-A row's area comes from its name's first word (``B1``..``B10``, ``F1``, ``W1``, ``W2``; the peer's
+A row's area comes from its name's first word (``B1``..``B11``, ``F1``, ``W1``, ``W2``; the peer's
 rows are their own area). An area with no row in the sources says so and names the command that
 measures it. Rows of several runs of the same benchmark are all shown, each with its own run's
 commit and load.
@@ -37,6 +37,9 @@ AREAS: list[tuple[str, tuple[str, ...], str, str]] = [
      "a gang of 4 with torch.distributed up, against a hand-written Ray gang"),
     ("Balance", ("B8",), "python -m bench --only B8",
      "a long-tailed batch: dispatch='balance' against slice_dp and the ideal makespan"),
+    ("In flight", ("B11",), "python -m bench --only B11",
+     "requests in flight on engines that batch continuously, read as they complete, against "
+     "the zero-overhead pull and the batch-synchronous loop"),
     ("Overlap", ("B9",), "python -m bench --only B9",
      "generation of step k+1 overlapping training of step k (sync_weights(wait=False))"),
     ("Weight sync", ("W1", "W2"), "python -m bench --only W1; python -m bench --only W2",
@@ -109,6 +112,11 @@ def figure(row: dict) -> str:
                 f"workers {', '.join(str(w) for w in row.get('workers_fitted', []))})")
     if row.get("metrics_cost"):
         return f"{_t(row['on_s'], 'ms')} on, {_t(row['off_s'], 'ms')} off: {row['ratio']:.2f}x"
+    if "requests_per_s" in row:
+        return (f"{row['requests_per_s']:,.0f} requests/s ({row['per_request_group_ms']:.2f} ms per "
+                f"request on a group's path; one ask {row['ask_ms']:.2f} ms alone)")
+    if row.get("b11"):
+        return f"{_t(row['twinkle_s'], 's')} vs {_t(row['raw_s'], 's')}: {row['ratio']:.3f}x"
     if row.get("b8_overhead"):
         return f"{row['overhead_per_chunk_s'] * 1000:.2f} ms per chunk; {row['vs_call']:.2f}x one call"
     if "makespan_s" in row:

@@ -8,6 +8,7 @@ Usage::
     python -m bench --only B1,B4
     python -m bench --only B9   # generation overlapping training (sync_weights(wait=False))
     python -m bench --only B8   # a long-tailed batch: slice_dp vs dispatch='balance' (not in the default run)
+    python -m bench --only B11  # requests in flight, as_completed (not in the default run)
     python -m bench --report --from run.json [more.json ...] --out BENCHMARKS.md   # no run: bench.report
     python -m bench --report --only B1 --quick    # run, then print the report (Markdown) instead of the table
 
@@ -28,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B9", "B10", "W2")
 # Run only when named: B8 sleeps through a 2 s long-tailed batch several times per mode (95 s
 # with --quick on the loaded 2-core machine, 2026-11-25), too long for the default run.
-ON_REQUEST = ("B8",)
+# B11 sleeps through a 3 s heavy-tailed stream and its batch-synchronous loop per repeat.
+ON_REQUEST = ("B8", "B11")
 RAY_CPUS = 80  # virtual CPUs: room for a 32-worker gang and its raw twin side by side
 
 
@@ -36,7 +38,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     p.add_argument("--json", action="store_true", help="print JSON on stdout, the table on stderr")
-    p.add_argument("--only", default=",".join(ALL), help="comma list of B1..B10, W2 (B1-B3 run together; B8 only when named)")
+    p.add_argument("--only", default=",".join(ALL), help="comma list of B1..B11, W2 (B1-B3 run together; B8, B11 only when named)")
     p.add_argument("--repeats", type=int, default=None, help="override the repeat count of B1/B6")
     p.add_argument("--report", action="store_true",
                    help="print BENCHMARKS.md (bench.report): from --from files, else from this run")
@@ -133,6 +135,11 @@ def _in_one_ray(cfg, only: frozenset) -> list[dict]:
 
         return longtail.bench_longtail(cfg)
 
+    def b11():  # requests in flight: the stream vs the zero-overhead pull (bench/inflight.py)
+        from bench import inflight
+
+        return inflight.bench_inflight(cfg)
+
     benches = {
         "B1": lambda: cases.bench_gang4(cfg, only),
         "B4": lambda: [cases.bench_routing(cfg)],
@@ -142,6 +149,7 @@ def _in_one_ray(cfg, only: frozenset) -> list[dict]:
         "B9": b9,
         "B10": lambda: cases.bench_driver_cpu(cfg),
         "B8": b8,
+        "B11": b11,
     }
     selected = [k for k in benches if k in only or (k == "B1" and only & {"B2", "B3"})]
     rows = cases.bench_shared(cfg, only) if cfg.shared_gangs else {}
@@ -202,8 +210,9 @@ def table(report: dict) -> str:
     whatifs = [r for r in report["results"] if r.get("whatif")]
     metrics = [r for r in report["results"] if r.get("metrics_cost")]
     b8 = [r for r in report["results"] if r.get("b8")]
+    b11 = [r for r in report["results"] if r.get("b11")]
     for row in report["results"]:
-        if row in scaling or row in whatifs or row in slopes or row in metrics or row in b8:
+        if row in scaling or row in whatifs or row in slopes or row in metrics or row in b8 or row in b11:
             continue
         unit = row.get("unit", "ms")
         if row.get("floor"):  # the one-hop floor: its time stands in the twinkle_ray column
@@ -261,6 +270,10 @@ def table(report: dict) -> str:
         from bench import longtail
 
         lines += longtail.table_lines(b8, _check)
+    if b11:
+        from bench import inflight
+
+        lines += inflight.table_lines(b11, _check)
     for row in slopes:
         fitted = ", ".join(str(w) for w in row["workers_fitted"])
         lines.append(f"{'slope':>8} {row['twinkle_ms_per_worker']:9.3f} ms {row['raw_ms_per_worker']:9.3f} ms "

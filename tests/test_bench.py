@@ -163,3 +163,21 @@ def test_b6_paths_times_both_paths_and_raw_at_every_size(runtime):
         assert all(v > 0 for v in row.values()), row
     assert set(out["slopes_ms_per_worker"]) == {"lazy then get", "eager", "raw"}
     assert all(math.isfinite(v) for v in out["slopes_ms_per_worker"].values())
+
+
+@pytest.mark.slow
+def test_b11_in_flight_rows(runtime):
+    """bench.inflight (B11, run on request): a tiny run on the session's Ray gives its four
+    rows, each with positive figures and its own target."""
+    from bench import cases, inflight
+
+    cfg = cases.Config.quick()
+    cfg.chain_repeats = 1
+    rows = inflight.bench_inflight(cfg, items=48, pull_s=0.3, noop_items=64, own_runtime=False)
+    assert [r["name"].rsplit(": ", 1)[-1] for r in rows[:3]] == [
+        "stream vs zero-overhead pull", "time to first result", "stream vs batch-synchronous loop"]
+    assert rows[3]["requests_per_s"] > 0 and rows[3]["ask_ms"] > 0
+    for r in rows:
+        assert r["b11"] and r["target"] and r["checks"], r["name"]
+        assert r["twinkle_s"] > 0 and r["raw_s"] > 0 and math.isfinite(r["ratio"]), r
+    assert rows[0]["raw_s"] == pytest.approx(0.3)  # scaled to the zero-overhead pull

@@ -28,6 +28,7 @@ Example::
 """
 
 from . import infra
+from .core.balance import Completed
 from .core.context import get_rank, get_world_size
 from .core.functions import remote_function
 from .core.group import DeviceGroup
@@ -65,6 +66,7 @@ __all__ = [
     "GPU",
     "NPU",
     "CallTimeoutError",
+    "Completed",
     "DeviceGroup",
     "DeviceMesh",
     "GangClosedError",

@@ -25,10 +25,12 @@ Example: 10 items in chunks of 3 over 2 groups, group 1 faster::
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from .dispatch import batch_len, concat, take
 
@@ -36,6 +38,52 @@ CHUNKS_PER_GROUP = 8  # chunk_size=None: about this many chunks per data-paralle
 DROPPED_KEPT = 1024  # how many ended calls a ChunkTable remembers (so a late ask is told "none")
 
 Positions = list[tuple[int, int]]
+
+# The attribute a weight-synced instance counts its applied syncs in (weights.mixin bumps it
+# after each sync it received; a balanced chunk reads it when it starts and when it ends).
+WEIGHT_VERSION_ATTR = "_twinkle_weight_version"
+
+
+class Completed(NamedTuple):
+    """One item of a balanced call, as :meth:`LazyResult.as_completed` yields it.
+
+    ``index``: its position in the call's input list; ``value``: the method's result for it;
+    ``rank``: the data-parallel group that ran it; ``versions``: ``(first, last)``, the
+    gang's weight version (syncs applied) when its chunk started and when it ended.
+    """
+
+    index: int
+    value: Any
+    rank: int
+    versions: tuple[int, int]
+
+
+def weight_version(instance: Any) -> int:
+    """How many weight syncs ``instance`` has applied (0: none, or not a synced class).
+
+    >>> class M: pass
+    >>> m = M(); weight_version(m), setattr(m, WEIGHT_VERSION_ATTR, 3), weight_version(m)
+    (0, None, 3)
+    """
+    return getattr(instance, WEIGHT_VERSION_ATTR, 0)
+
+
+def chunk_items(start: int, stop: int, value: Any, rank: int, versions: tuple[int, int]
+                ) -> list[Completed]:
+    """One finished chunk ``[start, stop)`` as one :class:`Completed` per item (a tuple
+    result element-wise, as ``collect`` joins it).
+
+    >>> chunk_items(4, 6, ([1, 2], "ab"), 0, (0, 1))[1]
+    Completed(index=5, value=(2, 'b'), rank=0, versions=(0, 1))
+    """
+    return [Completed(i, _item(value, i - start), rank, versions) for i in range(start, stop)]
+
+
+def _item(value: Any, i: int) -> Any:
+    if isinstance(value, tuple):
+        parts = [_item(v, i) for v in value]
+        return type(value)(*parts) if hasattr(type(value), "_fields") else tuple(parts)
+    return value[i]
 
 
 def pick_chunk_size(n: int, groups: int, chunk_size: int | None = None) -> int:
@@ -109,30 +157,47 @@ class ChunkAssigner:
 
     ``ask(group, k)``: the first peer of ``group`` to ask for its k-th chunk is
     given the next unassigned chunk (None once they run out); its peers asking
-    for the same ``(group, k)`` get the same answer. ``done`` once each of the
-    call's ``n_workers`` workers has been told None (its loop has ended).
+    for the same ``(group, k)`` get the same answer. ``done`` once the call's
+    ``n_workers`` asking loops have each been told None (each has ended).
+
+    Memory: with ``peers`` (the workers per group) known, an answer is kept only until
+    every peer has had it, and a None is never kept (once the chunks have run out every
+    later ask is None), so a call in flight holds the answers its slowest peers have yet
+    to read, not one per chunk; ``peers`` 0 (unknown) keeps every answer.
 
     >>> a = ChunkAssigner(1, n_workers=2)
     >>> a.ask(0, 0), a.ask(0, 0), a.ask(0, 1), a.done, a.ask(0, 1), a.done
     (0, 0, None, False, None, True)
+    >>> b = ChunkAssigner(3, n_workers=2, peers=2)
+    >>> b.ask(0, 0), len(b.given), b.ask(0, 0), len(b.given)
+    (0, 1, 0, 0)
     """
 
-    def __init__(self, n_chunks: int, n_workers: int):
+    def __init__(self, n_chunks: int, n_workers: int, peers: int = 0):
         self.n_chunks = n_chunks
         self.n_workers = n_workers
+        self.peers = peers
         self.next = 0
-        self.given: dict[tuple[int, int], int | None] = {}
+        self.given: dict[tuple[int, int], list] = {}  # key -> [answer, peers yet to ask]
         self.ended = 0
 
     def ask(self, group: int, k: int) -> int | None:
         key = (group, k)
-        if key not in self.given:
-            if self.next < self.n_chunks:
-                self.given[key] = self.next
-                self.next += 1
-            else:
-                self.given[key] = None
-        index = self.given[key]
+        kept = self.given.get(key)
+        if kept is not None:
+            index = kept[0]
+            kept[1] -= 1
+            if kept[1] == 0:
+                del self.given[key]
+        elif self.next < self.n_chunks:
+            index = self.next
+            self.next += 1
+            if self.peers != 1:
+                self.given[key] = [index, self.peers - 1 if self.peers else -1]
+        else:
+            index = None
+            if not self.peers:
+                self.given[key] = [None, -1]
         if index is None:
             self.ended += 1
         return index
@@ -165,16 +230,28 @@ class ChunkTable:
     def __len__(self) -> int:
         return len(self.calls)
 
-    def ask(self, seq: int, group: int, k: int, n_chunks: int, n_workers: int) -> int | None:
+    def ask(self, seq: int, group: int, k: int, n_chunks: int, n_workers: int,
+            peers: int = 0) -> int | None:
         if seq in self.ended:
             return None
         a = self.calls.get(seq)
         if a is None:
-            a = self.calls[seq] = ChunkAssigner(n_chunks, n_workers)
+            a = self.calls[seq] = ChunkAssigner(n_chunks, n_workers, peers)
         index = a.ask(group, k)
         if a.done:
             self.drop(seq)
         return index
+
+    def ask_many(self, seq: int, group: int, ks: list[int], n_chunks: int, n_workers: int,
+                 peers: int = 0) -> list[int | None]:
+        """:meth:`ask` for each of ``ks`` in order (a group with several free slots asks for
+        them in one request).
+
+        >>> t = ChunkTable()
+        >>> t.ask_many(3, 0, [0, 1, 2], n_chunks=2, n_workers=1), len(t)
+        ([0, 1, None], 0)
+        """
+        return [self.ask(seq, group, k, n_chunks, n_workers, peers) for k in ks]
 
     def drop(self, seq: int) -> None:
         """The call ended (or failed): forget it; later asks for it get None."""
@@ -286,9 +363,44 @@ def run_local(fn: Callable, args: tuple, kwargs: dict, chunk_size: int | None, w
         a = tuple(v[start:stop] if isinstance(v, list) else v for v in args)
         kw = {k: v[start:stop] if isinstance(v, list) else v for k, v in kwargs.items()}
         out = fn(*a, **kw)
+        if inspect.isawaitable(out):  # an async def method: run here, one chunk at a time
+            out = asyncio.run(_awaited(out))
         check_result(out, stop - start, where)
         results.append(out)
     return join_items(results)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def pull_schedule(lengths: list[float], slots: int) -> tuple[float, float]:
+    """(makespan, first finish) of the zero-overhead pull: each request, in input order, to
+    the first free of ``slots`` slots, at no cost per request (B11's yardstick).
+
+    >>> pull_schedule([3, 1, 1, 1], 2)
+    (3.0, 1.0)
+    """
+    import heapq
+
+    free = [0.0] * slots
+    first, end = math.inf, 0.0
+    for length in lengths:
+        start = heapq.heappop(free)
+        done = start + length
+        first, end = min(first, done), max(end, done)
+        heapq.heappush(free, done)
+    return end, first
+
+
+def batch_sync_schedule(lengths: list[float], slots: int) -> float:
+    """The makespan of the batch-synchronous loop: steps of ``slots`` requests in input
+    order, each step waiting for its longest.
+
+    >>> batch_sync_schedule([3, 1, 1, 1], 2)
+    4
+    """
+    return sum(max(lengths[i:i + slots]) for i in range(0, len(lengths), slots))
 
 
 def list_length(args: tuple, kwargs: dict, where: str) -> int:

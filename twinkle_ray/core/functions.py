@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,7 @@ class RemoteFunction:
         lazy_collect: bool | None = None,
         timeout: float | None = None,
         chunk_size: int | None = None,
+        in_flight: int = 1,
     ):
         check_dispatch(dispatch)
         check_execute(execute)
@@ -46,8 +48,10 @@ class RemoteFunction:
         if timeout is not None and timeout <= 0:
             raise ValueError(f"remote_function timeout must be positive, got {timeout!r}")
         check_balance(dispatch, execute, collect, chunk_size)
+        check_in_flight(in_flight, dispatch, fn)
         self.fn = fn
         self.chunk_size = chunk_size
+        self.in_flight = in_flight
         self.dispatch = dispatch
         self.execute = execute
         self.collect = collect
@@ -96,6 +100,34 @@ def check_balance(dispatch: Any, execute: str, collect: Any, chunk_size: Any) ->
                          f"call's results are one list in input order (collect='flatten' or 'none')")
 
 
+def check_in_flight(in_flight: Any, dispatch: Any, fn: Callable | None) -> None:
+    """ValueError for an ``in_flight`` that is not a positive int, one above 1 without
+    ``dispatch='balance'``, or one above 1 on a plain method (requests run concurrently only
+    as coroutines: the method must be ``async def``; ``fn`` None: not decorated yet).
+
+    >>> check_in_flight(4, "balance", None)
+    >>> check_in_flight(0, "balance", None)
+    Traceback (most recent call last):
+    ValueError: in_flight must be a positive int, got 0
+    """
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+        raise ValueError(f"in_flight must be a positive int, got {in_flight!r}")
+    if in_flight == 1:
+        return
+    if dispatch != "balance":
+        raise ValueError(f"in_flight={in_flight} needs dispatch='balance' (got dispatch={dispatch!r}): "
+                         f"requests are pulled in flight only by a balanced call")
+    if fn is not None and not inspect.iscoroutinefunction(fn):
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise ValueError(f"{name}: in_flight={in_flight} needs an 'async def' method (its requests "
+                         f"run concurrently on the worker's event loop); {name} is a plain method")
+
+
+def is_async(spec: RemoteFunction) -> bool:
+    """Whether the method is ``async def`` (a balanced call runs it on the worker's own loop)."""
+    return spec.fn is not None and inspect.iscoroutinefunction(spec.fn)
+
+
 def _run_balanced_local(spec: RemoteFunction, obj: Any, *args: Any, **kwargs: Any) -> Any:
     where = f"{type(obj).__name__}.{getattr(spec.fn, '__name__', '?')}()"
     return balance.run_local(types.MethodType(spec.fn, obj), args, kwargs, spec.chunk_size, where)
@@ -112,6 +144,7 @@ def remote_function(
     lazy_collect: bool | None = None,
     timeout: float | None = None,
     chunk_size: int | None = None,
+    in_flight: int = 1,
 ) -> Callable[[Callable], RemoteFunction]:
     """Mark a method of a remote class with how calls split, run and join.
 
@@ -138,6 +171,10 @@ def remote_function(
         chunk_size: items per chunk of a ``dispatch='balance'`` call (ValueError with
             any other dispatch). None: ``ceil(n / (8 * data-parallel groups))``, about
             8 chunks per group; 1: per item.
+        in_flight: ``dispatch='balance'`` only: how many chunks each data-parallel group
+            keeps running at once (default 1). Above 1 the method must be ``async def``
+            (ValueError otherwise, here): the worker runs its coroutines concurrently on an
+            event loop of its own and asks for the next chunk the moment one finishes.
 
     Returns:
         The method decorator (it wraps the method in a ``RemoteFunction``).
@@ -158,7 +195,8 @@ def remote_function(
         [1, 4, 9]
     """
     options = dict(dispatch=dispatch, execute=execute, collect=collect, sync=sync,
-                   lazy_collect=lazy_collect, timeout=timeout, chunk_size=chunk_size)
+                   lazy_collect=lazy_collect, timeout=timeout, chunk_size=chunk_size,
+                   in_flight=in_flight)
     RemoteFunction(None, **options)  # validate now, not when the method is decorated
 
     def decorate(fn: Callable) -> RemoteFunction:

@@ -44,6 +44,9 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import itertools
 import logging
 import types
 from dataclasses import dataclass
@@ -51,7 +54,14 @@ from typing import Any
 
 import ray
 
-from ..core.balance import check_result, chunk_bounds, join_items, list_length, pick_chunk_size
+from ..core.balance import (
+    check_result,
+    chunk_bounds,
+    join_items,
+    list_length,
+    pick_chunk_size,
+    weight_version,
+)
 from ..core.dispatch import worker_data_ranks
 from ..core.functions import RemoteFunction
 from ..core.routing import record_balanced
@@ -71,6 +81,8 @@ class BalanceHead:
     chunk_size: int | None  # as asked (None: core.balance.pick_chunk_size decides)
     lazy: tuple = ()  # positions (int) / names (str) of the LazyResult arguments
     where: str = "?"  # 'Class.method()' for errors
+    in_flight: int = 1  # chunks a group keeps running at once (an async def method)
+    peers: int = 0  # the workers of this data-parallel group (0: not known)
 
 
 @dataclass
@@ -118,7 +130,8 @@ def split(name: str, spec: RemoteFunction, gang: GangRef, execute: str, args: tu
 
         args = tuple(chunked(v) for v in args)
         kwargs = {k: chunked(v) for k, v in kwargs.items()}
-    heads = {d: BalanceHead(d, groups, spec.chunk_size, lazy, where) for d in set(data_ranks)}
+    heads = {d: BalanceHead(d, groups, spec.chunk_size, lazy, where, spec.in_flight,
+                            data_ranks.count(d)) for d in set(data_ranks)}
     return [(args, kwargs)] * len(data_ranks), [heads[d] for d in data_ranks]
 
 
@@ -132,7 +145,10 @@ def _large(value: list) -> bool:
 
 def run_chunks(worker: Any, task: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
     """A worker's loop over the chunks of one balanced call (see step 3): returns (its
-    results concatenated, or None when it ran no chunk; its record: its positions)."""
+    results concatenated in the order they finished, or None when it ran no chunk; its
+    record: their positions, in the same order). An ``async def`` method runs on the
+    worker's own event loop with ``in_flight`` chunks at once (:func:`_pump`); each finished
+    chunk is also noted in the worker's stream book for ``LazyResult.as_completed``."""
     head: BalanceHead = task.balance
     fn = _raw_method(worker.instance, task.method)
     n, bounds = None, None
@@ -150,27 +166,124 @@ def run_chunks(worker: Any, task: Any, args: tuple, kwargs: dict) -> tuple[Any, 
         if len(routed[key]) != n:
             raise ValueError(f"{head.where} (dispatch='balance'): argument {key!r} has "
                              f"{len(routed[key])} items, the list arguments {n}")
-    d, gen, world = worker.info.dispatcher, worker.info.generation, worker.info.world_size
-    results, positions = [], []
-    k = 0
-    while True:
-        j = ray.get(d.next_chunk.remote(gen, task.seq, head.group, k, len(bounds), world))
-        if j is None:
-            break
+
+    def cut_args(j: int, fetched: dict | None = None) -> tuple[tuple, dict]:
+        """Chunk j's arguments (``fetched``: the values of put pieces, by argument)."""
         s, e = bounds[j]
 
-        def cut(key, v, j=j, s=s, e=e):
+        def cut(key, v):
             if isinstance(v, Chunks):
-                return v.piece(j)
+                return fetched[key] if fetched and key in fetched else v.piece(j)
             return v[s:e] if key in lists else v
 
-        out = fn(*(cut(i, v) for i, v in enumerate(args)), **{q: cut(q, v) for q, v in kwargs.items()})
-        check_result(out, e - s, head.where)
-        results.append(out)
-        positions.append((s, e))
-        k += 1
-    value = join_items(results) if results else None
-    return value, record_balanced(value, positions)
+        return (tuple(cut(i, v) for i, v in enumerate(args)),
+                {q: cut(q, v) for q, v in kwargs.items()})
+
+    loop = Loop(worker, task, head, bounds, cut_args)
+    loop.args, loop.kwargs = args, kwargs
+    entry = worker.streams.open(task.seq)
+    try:
+        if inspect.iscoroutinefunction(fn):
+            worker.loop.run(_pump(loop, fn, max(1, head.in_flight), entry))
+        else:
+            k = 0
+            while True:
+                j = ray.get(loop.ask(k))
+                if j is None:
+                    break
+                a, kw = cut_args(j)
+                first = weight_version(worker.instance)
+                out = fn(*a, **kw)
+                loop.finished(j, out, first, entry)
+                k += 1
+    except BaseException:
+        entry.end(failed=True)
+        raise
+    entry.end()
+    value = join_items(loop.results) if loop.results else None
+    return value, record_balanced(value, loop.positions)
+
+
+class Loop:
+    """One worker's state in one balanced call: how it asks, and what it has finished."""
+
+    def __init__(self, worker: Any, task: Any, head: BalanceHead, bounds: list, cut_args: Any):
+        self.worker, self.task, self.head, self.bounds = worker, task, head, bounds
+        self.cut_args = cut_args
+        self.args: tuple = ()  # the call's arguments (Chunks in place of the list ones)
+        self.kwargs: dict = {}
+        self.results: list = []
+        self.positions: list[tuple[int, int]] = []
+
+    def ask(self, k: int) -> Any:
+        """The ref of the dispatcher's answer to this group's k-th ask (a chunk, or None). Each
+        of a worker's ``in_flight`` asking loops stops at its first None, so the call's table
+        entry ends once every worker has been told None that many times."""
+        info = self.worker.info
+        return info.dispatcher.next_chunk.remote(
+            info.generation, self.task.seq, self.head.group, k, len(self.bounds),
+            info.world_size * max(1, self.head.in_flight))
+
+    def ask_many(self, ks: list[int]) -> Any:
+        """The ref of the dispatcher's answers to this group's asks ``ks`` (one request)."""
+        info = self.worker.info
+        return info.dispatcher.next_chunks.remote(
+            info.generation, self.task.seq, self.head.group, ks, len(self.bounds),
+            info.world_size * max(1, self.head.in_flight), self.head.peers)
+
+    def finished(self, j: int, out: Any, first: int, entry: Any) -> None:
+        """Chunk j's result ``out``, checked, kept (in finish order) and noted for streams."""
+        s, e = self.bounds[j]
+        check_result(out, e - s, self.head.where)
+        self.results.append(out)
+        self.positions.append((s, e))
+        entry.add([(s, e, out, (first, weight_version(self.worker.instance)))])
+
+
+async def _pump(loop: Loop, fn: Any, in_flight: int, entry: Any) -> None:
+    """Up to ``in_flight`` requests at once on the worker's event loop: whenever slots are
+    free, one ask for that many chunks (``next_chunks``; never one before a slot is free: no
+    chunk waits here in reserve), each run as its own task, the next ask the moment one
+    finishes (pull: least in flight). Each slot stops at its first None; a worker that ran
+    out asks for the Nones its remaining slots are owed in one last request, so the call's
+    table entry ends once every worker has had ``in_flight`` of them. The first error
+    cancels the other requests (they belong to the failed call) and is raised."""
+    asks = itertools.count()
+    running: set[asyncio.Future] = set()
+    ended = 0  # slots told None
+
+    async def one(j: int) -> None:
+        # put pieces awaited, never fetched with a blocking get on the loop other requests share
+        puts = {key: v.pieces[j] for key, v in [*enumerate(loop.args), *loop.kwargs.items()]
+                if isinstance(v, Chunks) and isinstance(v.pieces[j], ray.ObjectRef)}
+        fetched = dict(zip(puts, await asyncio.gather(*puts.values()), strict=True)) if puts else None
+        a, kw = loop.cut_args(j, fetched)
+        first = weight_version(loop.worker.instance)
+        out = await fn(*a, **kw)
+        loop.finished(j, out, first, entry)
+
+    try:
+        while True:
+            free = in_flight - len(running) - ended
+            if free > 0 and (ended == 0 or not running):
+                # asking again after a None only once the last request is done: the Nones owed
+                for j in await loop.ask_many([next(asks) for _ in range(free)]):
+                    if j is None:
+                        ended += 1
+                    else:
+                        running.add(asyncio.ensure_future(one(j)))
+            if not running:
+                if ended >= in_flight:
+                    return
+                continue
+            done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()
+    finally:
+        for t in running:
+            t.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
 
 
 def _raw_method(instance: Any, method: str) -> Any:

@@ -353,7 +353,8 @@ class Dispatcher:
                 out = submit[i].remote(task, s.tops)
             refs.append(out)
         balanced = any(s.balance is not None for s in call.slices)
-        return Reply(refs=refs, records=records, workers=targets, balanced=balanced)
+        return Reply(refs=refs, records=records, workers=targets, balanced=balanced,
+                     stream=(self.seq, self.state.generation) if balanced else None)
 
     async def next_chunk(self, gen: int, seq: int, group: int, k: int, n_chunks: int,
                          n_workers: int) -> int | None:
@@ -362,6 +363,21 @@ class Dispatcher:
         if gen != self.state.generation:
             return None
         return self.state.chunks.ask(seq, group, k, n_chunks, n_workers)
+
+    async def next_chunks(self, gen: int, seq: int, group: int, ks: list[int], n_chunks: int,
+                          n_workers: int, peers: int = 0) -> list[int | None]:
+        """:meth:`next_chunk` for each of ``ks`` (a group's free slots, ``in_flight``);
+        ``peers``: the workers per group (answers are kept only until each has read them)."""
+        if gen != self.state.generation:
+            return [None] * len(ks)
+        return self.state.chunks.ask_many(seq, group, ks, n_chunks, n_workers, peers)
+
+    def stream_workers(self, gen: int) -> list | None:
+        """The workers of generation ``gen`` (None: the gang was rebuilt or is down since):
+        whom ``LazyResult.as_completed`` asks for a balanced call's finished chunks."""
+        if gen != self.state.generation or not self.state.workers:
+            return None
+        return list(self.state.workers)
 
     # -- submitting ----------------------------------------------------------------------------
     def _submitters(self, method: str, with_record: bool, workers: list) -> list:
@@ -406,6 +422,7 @@ class Dispatcher:
             "recent_replies": len(routes.recent) if routes is not None else 0,
             "producers": len(routes.producers) if routes is not None else 0,
             "bound_submitters": len(self._bound),
+            "balanced_calls": len(self.state.chunks),  # balanced calls handing out chunks now
         }
 
 

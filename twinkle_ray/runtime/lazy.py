@@ -18,6 +18,7 @@ and passed it.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import cloudpickle
@@ -32,7 +33,9 @@ from ray.exceptions import (
     RayTaskError,
 )
 
+from ..core.balance import Completed
 from ..core.routing import Source, join
+from .completed import completions
 from .diagnose import OUTPUT_REFS, Caller, GangRef, fetch, fetch_timed_out, read_quietly, user_error
 from .errors import CallTimeoutError
 from .reply import Reply, values_of
@@ -205,6 +208,30 @@ class LazyResult(Pending, Routable):
             self._value = join(source, outputs)
             self._has_value = True
         return self._value
+
+    def as_completed(self, timeout: float | None = None) -> Iterator[Completed]:
+        """A balanced call's items in the order they finish, while the call runs: one
+        :class:`~twinkle_ray.core.balance.Completed` ``(index, value, rank, versions)`` per
+        input item, every index exactly once.
+
+        ``index`` is the item's position in the call's input list, ``rank`` the data-parallel
+        group that ran it, ``versions`` the gang's weight version when its chunk started and
+        when it ended. An error is raised where it is met (its type kept, its rank named; a
+        dead worker: WorkerDiedError); past ``timeout`` seconds (default: the method's
+        ``timeout=``) CallTimeoutError. ``get()`` afterwards still gives the input order,
+        and this LazyResult still routes. Results travel as the caller's own refs (Ray's
+        streaming generators), never through the dispatcher
+        (:mod:`~twinkle_ray.runtime.completed`). TypeError (at once) on a call whose result
+        is not one item per input: only ``dispatch='balance'`` calls stream.
+
+        Example::
+
+            for c in sampler.generate(prompts).as_completed():
+                rewards[c.index] = score(c.value)
+        """
+        ray_running()
+        return completions(self, timeout if timeout is not None else self.timeout, self._where,
+                           self._caller)
 
     def done(self) -> bool:
         """Whether every rank has finished this call (with a value or an error); never waits."""

@@ -66,6 +66,7 @@ class Reply(NamedTuple):
     balanced: bool = False  # dispatch='balance': records are positions records (runtime.balance)
     values: list | None = None  # an eager call's Inline/Held per rank, in place of its refs
     bundle: Any = None  # (refs, records) as one ObjectRef its dispatcher owns (see ``packed``)
+    stream: tuple[int, int] | None = None  # dispatch='balance': (call number, generation)
 
     def _large(self) -> bool:
         return len(self.refs) + len(self.records) > PACK_REFS_OVER

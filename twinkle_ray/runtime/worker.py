@@ -35,6 +35,7 @@ from ..core.routing import record_of
 from . import balance
 from .dist_setup import loopback_store, nccl_env, seed_everything, url_host, usable_backend
 from .errors import portable
+from .inflight import StreamBook, WorkerLoop
 from .lazy import END_OF_ITERATION, LazyResult
 from .metrics import GangMetrics, args_nbytes
 from .net import is_loopback
@@ -107,6 +108,9 @@ class GangWorker:
         self.ended = -1  # the number of the last call that ended here
         self.phase: str | None = "created"  # what start() is doing (None: started)
         self.metrics = GangMetrics.create(info.metrics, True) if info.metrics else None
+        # balanced calls: their finished chunks for streams, and the loop of async methods
+        self.streams = StreamBook()
+        self.loop = WorkerLoop()
         # torch takes seconds of CPU to import, and a distributed gang's start needs it: the
         # import runs while the gang's other workers are still being created and rank 0 is
         # asked for the rendezvous port, rather than after (start() waits for it first, so no
@@ -297,6 +301,13 @@ class GangWorker:
         """(the number of the call running now, or None when idle; that of the last ended)."""
         return self.current, self.ended
 
+    @ray.method(concurrency_group="stream", num_returns="streaming")
+    def stream(self, seq: int):
+        """Balanced call ``seq``'s finished chunks on this worker, as they finish: batches of
+        ``(start, stop, value, versions)`` (:class:`~twinkle_ray.runtime.inflight.StreamBook`);
+        what ``LazyResult.as_completed`` reads. Ends with the call here."""
+        yield from self.streams.read(seq, lambda: self.ended)
+
     @ray.method(concurrency_group="control")
     def start_phase(self) -> str | None:
         """What ``start`` is doing now ('torch.distributed init', 'the constructor'), or None
@@ -374,8 +385,10 @@ def _value_of(arg: Any) -> Any:
     return arg.get() if isinstance(arg, LazyResult) else arg
 
 
-# control: watch() (always), progress() and pid() beside a running call.
-_RemoteGangWorker = ray.remote(concurrency_groups={"control": 3})(GangWorker)
+# control: watch() (always), progress() and pid() beside a running call; stream: readers of
+# balanced calls' completions (each waits while its call runs).
+STREAM_READERS = 4
+_RemoteGangWorker = ray.remote(concurrency_groups={"control": 3, "stream": STREAM_READERS})(GangWorker)
 
 
 def _import_quietly(module: str) -> None:

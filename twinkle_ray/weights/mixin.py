@@ -32,6 +32,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from ..core.balance import WEIGHT_VERSION_ATTR, weight_version
 from ..core.context import get_rank
 from ..core.functions import remote_function
 from .fingerprint import fingerprint
@@ -366,7 +367,10 @@ class WeightSyncMixin:
         """Every receiver of this worker takes one sync; their figures. A receiver that fails leaves
         its pairs in step (it drains them) or closes them (the transport broke)."""
         try:
-            return list(self.weight_sync_fanout("recv", channel))
+            got = list(self.weight_sync_fanout("recv", channel))
+            # the gang's weight version (syncs applied): what a balanced chunk's versions read
+            setattr(self, WEIGHT_VERSION_ATTR, weight_version(self) + 1)
+            return got
         except SourceFailed:  # told by the senders, every pair drained: the pairs stay in step
             raise
         except BaseException:
