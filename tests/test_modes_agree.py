@@ -1,5 +1,5 @@
 """Local and Ray mode, the same script: the same results and the same exception types, in
-constructors too (DESIGN 8: "Errors keep their type in both modes, in constructors too").
+constructors too (the failure contract, docs/failures.md: errors keep their type in both modes, in constructors too).
 
 Before: a constructor's exception reached a Ray-mode caller as a plain RuntimeError, while local
 mode (and a method's exception in both modes) kept its type. In Ray mode the error now is the
