@@ -12,6 +12,7 @@ save gives the saved values again (the first restore did not write into the save
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -95,9 +96,11 @@ class Keeper:
         return wrong
 
     @remote_function(dispatch="all", collect="first")
-    def slow(self, seconds: float) -> str:
+    def slow(self, seconds: float, started: str | None = None) -> str:
         import time
 
+        if started:  # tells the test the call is running on the rank
+            open(started, "w").close()
         time.sleep(seconds)
         return "done"
 
@@ -141,11 +144,16 @@ def test_a_restored_state_equals_the_saved_one_and_is_the_ranks_own(keeper, way,
 
 
 @pytest.mark.slow  # a restart of a one-worker gang
-def test_a_call_in_flight_during_its_callers_restart_says_so(keeper):
+def test_a_call_in_flight_during_its_callers_restart_says_so(keeper, tmp_path):
     """Nothing died: not WorkerDiedError ("a worker died ... call .restart()"), but what
     happened, as close() gives GangClosedError; the gang is up again."""
-    pending = keeper.slow(60.0)
+    started = tmp_path / "started"
+    pending = keeper.slow(60.0, str(started))
     keeper.slow(0.0)  # queued behind it
+    deadline = time.monotonic() + 60
+    while not started.exists():  # restart() only once the call runs on the rank (not before
+        assert time.monotonic() < deadline, "slow() never started"  # it reached the worker)
+        time.sleep(0.05)
     keeper.restart()
     with pytest.raises(GangRestartedError, match=r"gang keep/Keeper was restarted \(restart\(\)\) "
                                                  r"while Keeper.slow\(\) was in flight") as info:

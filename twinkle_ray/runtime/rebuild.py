@@ -172,7 +172,7 @@ class Rebuilder:
             logger.warning("gang %s: restart() asked for; rebuilding it", self.state.label)
         death = self.deaths.restarting()  # what a failed rebuild followed
         # a call in flight on the workers torn down now is cut short by the caller's restart
-        self.deaths.cut_short([r.actor_id for r in self.state.ranks if r.actor_id],
+        self.deaths.cut_short(self.state.actor_ids(),
                               GangRestartedError(self.state.label))
         # As a task of its own, like an automatic rebuild: calls (and a second restart) arriving
         # meanwhile wait for it instead of finding the gang half built.
