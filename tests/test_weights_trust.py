@@ -1,0 +1,245 @@
+"""Weights you can trust (issue 46): after a sync returns, every sampler holds exactly what it was
+asked to take, never silently stale.
+
+- Bad targets and names are refused before any byte moves (``ValueError`` naming the thing), and the
+  next good sync works at once.
+- Bookkeeping by what was really sent: ``names=`` marks only those tensors; ``only_changed`` sends
+  each tensor whose bytes differ from what that receiver last got (moved blocks, one flipped bit).
+- Generated sequences (hypothesis) of changes and syncs, with samplers killed and rebuilt and
+  samplers added, checked after every sync against an oracle of what each receiver must hold.
+
+One module-scoped set of small gangs (plain torch tensors on CPU, no mocks): a trainer of two
+ranks (two data-parallel replicas that share the receivers), a sampler gang of two ranks and one
+of one rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import time
+
+import pytest
+import torch
+
+import twinkle_ray
+from conftest import leftovers
+from twinkle_ray import DeviceGroup, remote_class, remote_function
+from twinkle_ray.weights import Slab, WeightSync, WeightSyncMixin, fingerprint, sync_weights
+
+BLOCK = 1 << 20  # the old weighted-sum fingerprint repeated its weights every 2**20 elements
+
+
+def initial(seed: int) -> dict[str, torch.Tensor]:
+    """A small model of several dtypes; ``big`` holds two 2**20-element blocks (uint8: 2 MB)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(64, generator=g), "b": torch.randn(8, 8, generator=g),
+            "c": torch.randn(16, generator=g).to(torch.bfloat16), "d": torch.randint(0, 1 << 40, (5,), generator=g),
+            "big": torch.randint(0, 256, (2 * BLOCK,), generator=g, dtype=torch.uint8)}
+
+
+NAMES = sorted(initial(0))
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+@remote_class()
+class Tensors(WeightSyncMixin):
+    """A trainer or sampler holding a dict of tensors (every trainer rank a full copy: a replica)."""
+
+    def __init__(self, device_mesh=None, seed: int = 0):
+        self.t = initial(seed)
+
+    def weight_sync_shards(self) -> list[Slab]:
+        return [Slab(n, t) for n, t in self.t.items()]
+
+    def weight_sync_targets(self) -> dict[str, torch.Tensor]:
+        return self.t
+
+    @remote_function(dispatch="all")
+    def change(self, name: str, seed: int) -> None:
+        """New values for ``name`` (the same on every rank)."""
+        g = torch.Generator().manual_seed(seed)
+        t = self.t[name]
+        if t.dtype == torch.uint8:
+            t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
+        elif t.dtype == torch.int64:
+            t.copy_(torch.randint(0, 1 << 40, t.shape, generator=g))
+        else:
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+
+    @remote_function(dispatch="all")
+    def swap_blocks(self, name: str) -> None:
+        """The first and second halves of ``name`` trade places (rows of blocks swapped)."""
+        flat = self.t[name].reshape(-1)
+        half = flat.numel() // 2
+        first = flat[:half].clone()
+        flat[:half] = flat[half:2 * half]
+        flat[half:2 * half] = first
+
+    @remote_function(dispatch="all")
+    def flip(self, name: str, index: int) -> None:
+        """Flip the lowest bit of one byte of ``name``: a single element changes by one ulp or so."""
+        raw = self.t[name].reshape(-1).view(torch.uint8)
+        raw[index % raw.numel()] ^= 1
+
+    @remote_function(dispatch="all", collect="none")
+    def digests(self) -> dict[str, str]:
+        return {n: digest(t) for n, t in self.t.items()}
+
+    @remote_function(dispatch="all", collect="none")
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@pytest.fixture(scope="module")
+def gangs(ray_session):
+    twinkle_ray.shutdown()
+    twinkle_ray.initialize("ray", groups=[DeviceGroup("trainer", 2, "cpu", cpus_per_worker=0.25),
+                                          DeviceGroup("a", 2, "cpu", cpus_per_worker=0.25),
+                                          DeviceGroup("b", 1, "cpu", cpus_per_worker=0.25)])
+    trainer = Tensors(None, 1, remote_group="trainer")
+    a, b = Tensors(None, 2, remote_group="a"), Tensors(None, 3, remote_group="b")
+    yield trainer, a, b
+    twinkle_ray.shutdown()
+    actors, pgs = leftovers()
+    assert not actors, f"leaked actors: {[x.get('name') for x in actors]}"
+    assert not pgs, f"leaked placement groups: {pgs}"
+
+
+def truth(trainer) -> dict[str, str]:
+    """The trainer's tensors (every rank holds the same)."""
+    per_rank = trainer.digests()()
+    assert all(d == per_rank[0] for d in per_rank), "the trainer's replicas differ"
+    return per_rank[0]
+
+
+def held(gang) -> list[dict[str, str]]:
+    got = gang.digests()()
+    return got if isinstance(got, list) else [got]  # a gang of one answers with its one value
+
+
+def assert_exact(gang, want: dict[str, str], names=NAMES, what: str = "") -> None:
+    for rank, d in enumerate(held(gang)):
+        wrong = [n for n in names if d[n] != want[n]]
+        assert not wrong, f"{what}: {gang!r} rank {rank} holds stale {wrong}"
+
+
+# ------------------------------------------------------------------------------ the fingerprint
+def test_fingerprint_sees_moved_blocks_and_single_flips_in_every_dtype():
+    """Defect: a weighted sum whose weights repeat every 2**20 elements was blind to two swapped
+    2**20-element blocks."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8, torch.int64):
+        t = torch.randint(0, 100, (2 * BLOCK,), generator=g).to(dtype)
+        base = fingerprint(t)
+        assert fingerprint(t.clone()) == base
+        swapped = torch.cat([t[BLOCK:], t[:BLOCK]])
+        assert not torch.equal(swapped, t) and fingerprint(swapped) != base, dtype
+        flipped = t.clone()
+        flipped.reshape(-1).view(torch.uint8)[12345] ^= 1
+        assert fingerprint(flipped) != base, dtype
+    two_d = torch.randn(4, 6)
+    assert fingerprint(two_d) != fingerprint(two_d.reshape(6, 4))  # same bytes, other shape
+    assert fingerprint(two_d.t()) == fingerprint(two_d.t().contiguous())  # a view: its elements' order
+    assert fingerprint(torch.zeros(0)) != fingerprint(torch.zeros(0, dtype=torch.int8))
+
+
+# ------------------------------------------------------------------------------ bad input
+def _refused(fn, match: str) -> float:
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=match):
+        fn()
+    return time.monotonic() - start
+
+
+def test_bad_targets_and_names_are_refused_and_the_next_sync_works_at_once(gangs):
+    """Defects 3 and 4: a sampler twice, or the trainer among its targets, were accepted and hung
+    (24 h peer wait), wedging both gangs. Each bad input: a ValueError naming it, before any byte
+    moves, and the next good sync is exact at once."""
+    trainer, a, b = gangs
+    sync_weights(trainer, [a, b], only_changed=True)  # a channel in use: a bad call must leave it working
+    copy_of_a = pickle.loads(pickle.dumps(a))
+    assert copy_of_a is not a
+    bad = [
+        (lambda: sync_weights(trainer, [a, a]), r"twice among the targets"),
+        (lambda: sync_weights(trainer, [a, copy_of_a]), r"twice among the targets.*two handles of one gang"),
+        (lambda: sync_weights(trainer, trainer), r"among its own targets"),
+        (lambda: sync_weights(trainer, [b, trainer]), r"among its own targets \(target 1\)"),
+        (lambda: sync_weights(trainer, []), r"target list is empty"),
+        (lambda: sync_weights(trainer, [a, b], names=["a", "nope"]), r"unknown tensor name.*'nope'"),
+        (lambda: sync_weights(trainer, [a, b], names="a"), r"list of tensor names"),
+        (lambda: WeightSync(trainer, [b, b]), r"twice among the targets"),
+    ]
+    for step, (call, match) in enumerate(bad):
+        trainer.change("a", 100 + step)()
+        took = _refused(call, match)
+        print(f"refused {match!r} in {took * 1000:.0f} ms")
+        stats = sync_weights(trainer, [a, b], only_changed=True)
+        assert stats.names == ["a"], (match, stats.names)
+        want = truth(trainer)
+        assert_exact(a, want, what=match)
+        assert_exact(b, want, what=match)
+
+
+def test_a_name_unknown_to_a_fresh_channel_is_refused_before_sending(gangs):
+    """names= on a channel's first sync: the set-up finds the trainer's names, the check comes
+    before any byte moves, and the channel then works."""
+    trainer, a, _ = gangs
+    ws = WeightSync(trainer, a, timeout_s=60)
+    try:
+        _refused(lambda: ws.sync(names=["a", "zzz"]), r"unknown tensor name.*'zzz'")
+        trainer.change("b", 7)()
+        assert ws.sync(names=["b"]).names == ["b"]
+        assert_exact(a, truth(trainer), names=["b"])
+    finally:
+        ws.close()
+
+
+# ------------------------------------------------------------------------------ bookkeeping
+def test_names_marks_only_what_it_sent(gangs):
+    """Defect 1: a names=["a"] sync recorded every tensor as sent, so a later only_changed sync
+    skipped 'b' (changed, never sent): the sampler stayed stale, silently."""
+    trainer, a, b = gangs
+    sync_weights(trainer, [a, b], only_changed=True)
+    trainer.change("a", 11)()
+    trainer.change("b", 12)()
+    assert sync_weights(trainer, [a, b], names=["a"]).names == ["a"]
+    want = truth(trainer)
+    assert all(d["b"] != want["b"] for d in held(a) + held(b))  # not asked for: not sent
+    stats = sync_weights(trainer, [a, b], only_changed=True)
+    assert stats.names == ["b"]  # 'a' they hold already
+    assert_exact(a, want)
+    assert_exact(b, want)
+    assert sync_weights(trainer, [a, b], only_changed=True).bytes == 0  # nothing left to send
+
+
+def test_only_changed_sees_swapped_blocks_and_one_flipped_bit(gangs):
+    trainer, a, b = gangs
+    sync_weights(trainer, [a, b], only_changed=True)
+    trainer.swap_blocks("big")()
+    stats = sync_weights(trainer, [a, b], only_changed=True)
+    assert stats.names == ["big"]
+    assert_exact(a, truth(trainer))
+    trainer.flip("c", 3)()  # bfloat16: one bit of one element
+    assert sync_weights(trainer, [a, b], only_changed=True).names == ["c"]
+    assert_exact(b, truth(trainer))
+
+
+def test_only_changed_after_a_plain_sync_and_an_added_receiver(gangs):
+    """A receiver added to the channel starts with an empty record: it gets everything, the others
+    only what changed."""
+    trainer, a, b = gangs
+    sync_weights(trainer, a, only_changed=True)
+    trainer.change("d", 21)()
+    stats = sync_weights(trainer, [a, b], only_changed=True)  # b (re)joins: all of it; a: 'd'
+    assert set(stats.names) == set(NAMES)
+    want = truth(trainer)
+    assert_exact(a, want)
+    assert_exact(b, want)
+    trainer.change("a", 22)()
+    sync_weights(trainer, [a, b])  # plain, while tracked: records everything it sent
+    assert sync_weights(trainer, [a, b], only_changed=True).bytes == 0
