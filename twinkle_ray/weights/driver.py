@@ -93,9 +93,10 @@ def check_names(names: Sequence[str] | None, known: Any, trainer: Any) -> list[s
 class WeightSync:
     """Driver-side handle of one trainer -> samplers weight channel (see the module docstring).
 
-    Timeouts: a pair's first wait in a sync (the other gang may still be running earlier calls) is
-    not timed (a death ends it at once); every later step is bounded by ``timeout_s``, and so is the
-    set-up. ``wait=True`` bounds the whole sync by ``timeout_s + 30`` s.
+    Timeouts: no wait in a sync or a set-up is longer than ``timeout_s`` -- a pair's first wait too
+    (the other gang may still be running earlier calls: it has ``timeout_s`` to reach the sync); a
+    death of the other side ends any wait at once. ``wait=True`` bounds the whole sync by
+    ``timeout_s + 30`` s.
     """
 
     def __init__(self, source: Any, targets: Any, *, backend: str | None = None,

@@ -18,7 +18,6 @@ from typing import Any
 
 from .plan import buckets
 from .transport import (
-    PEER_WAIT_S,
     Endpoint,
     Pair,
     open_pair,
@@ -146,7 +145,7 @@ class SourceEnd:
         # A receiver that failed, left or died costs only its own pairs: they are closed as broken
         # (rebuilt at the next set-up) and the sync raises once the others have had theirs (a
         # receiver that took its header waits for its buckets: leaving it would leave it stuck).
-        for key, e in wait_all(posted_headers, PEER_WAIT_S).items():
+        for key, e in wait_all(posted_headers, self.timeout_s).items():
             error = error or peer_failed(key, e)
             self.pairs.pop(key).close(broken=True)
         total, nbuckets = 0, 0
