@@ -18,14 +18,17 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import signal
 import time
 
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, example, given, note, settings
+from hypothesis import strategies as st
 
 import twinkle_ray
 from conftest import leftovers
-from twinkle_ray import DeviceGroup, remote_class, remote_function
+from twinkle_ray import DeviceGroup, WorkerDiedError, remote_class, remote_function
 from twinkle_ray.weights import Slab, WeightSync, WeightSyncMixin, fingerprint, sync_weights
 
 BLOCK = 1 << 20  # the old weighted-sum fingerprint repeated its weights every 2**20 elements
@@ -46,9 +49,10 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 
-@remote_class()
+@remote_class(max_restarts=1000)
 class Tensors(WeightSyncMixin):
-    """A trainer or sampler holding a dict of tensors (every trainer rank a full copy: a replica)."""
+    """A trainer or sampler holding a dict of tensors (every trainer rank a full copy: a replica);
+    a gang rebuilds itself after a death (the generated sequences kill sampler workers)."""
 
     def __init__(self, device_mesh=None, seed: int = 0):
         self.t = initial(seed)
@@ -243,3 +247,96 @@ def test_only_changed_after_a_plain_sync_and_an_added_receiver(gangs):
     trainer.change("a", 22)()
     sync_weights(trainer, [a, b])  # plain, while tracked: records everything it sent
     assert sync_weights(trainer, [a, b], only_changed=True).bytes == 0
+
+
+# ------------------------------------------------------------------------------ generated sequences
+SEEDS = {"a": 2, "b": 3}  # each sampler gang's own initial tensors (a rebuilt worker starts from them)
+
+op_change = st.tuples(st.just("change"), st.sampled_from(NAMES), st.integers(0, 10**6))
+op_swap = st.tuples(st.just("swap"), st.sampled_from(["big", "b"]))
+op_flip = st.tuples(st.just("flip"), st.sampled_from(NAMES), st.integers(0, 1 << 22))
+op_sync = st.tuples(st.just("sync"), st.sampled_from(["plain", "names", "names", "only_changed",
+                                                     "only_changed", "only_changed+names"]),
+                    st.lists(st.sampled_from(NAMES), min_size=1, max_size=3, unique=True))
+op_kill = st.tuples(st.just("kill"), st.sampled_from(["a", "b"]), st.integers(0, 1))
+op_add = st.tuples(st.just("add"))
+ops = st.lists(st.one_of(op_change, op_change, op_swap, op_flip, op_sync, op_sync, op_sync, op_kill, op_add),
+               min_size=4, max_size=7)
+
+
+def _rebuilt(gang, old_pids: set, limit_s: float = 120.0) -> None:
+    """Wait until ``gang`` (max_restarts) answers from new workers; the first call after a death
+    may raise it (the contract), later ones wait for the rebuild."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            pids = gang.pid()()
+            pids = set(pids if isinstance(pids, list) else [pids])
+            if not pids & old_pids:
+                return
+        except WorkerDiedError:
+            pass
+        assert time.monotonic() < deadline, f"{gang!r} was not rebuilt within {limit_s:g}s"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.generate],
+          suppress_health_check=list(HealthCheck))
+@example(sequence=[("change", "a", 1), ("change", "b", 2), ("sync", "names", ["a"]), ("add",),
+                   ("sync", "only_changed", ["a"])])  # defect 1: names= marked everything sent
+@example(sequence=[("swap", "big"), ("flip", "c", 7), ("kill", "a", 0), ("sync", "only_changed", ["a"])])
+@given(sequence=ops)
+def test_generated_sequences_agree_with_the_oracle_after_every_sync(gangs, sequence):
+    """Changes (new values, swapped blocks, single flipped bits), syncs (plain, names= subsets,
+    only_changed), samplers killed and rebuilt (max_restarts) and added: after every sync, every
+    sampler worker holds exactly what an oracle of each receiver's state says -- the trainer's
+    tensors for what that sync was asked to send (all of them after a plain or only_changed
+    sync), its previous contents for the rest."""
+    trainer, a, b = gangs
+    by_name = {"a": a, "b": b}
+    targets = ["a"]
+    ws = WeightSync(trainer, [a], timeout_s=60)
+    try:
+        ws.sync(only_changed=True)  # changes tracked from here (this sync sends everything)
+        oracle = {g: held(by_name[g]) for g in ("a", "b")}  # what each sampler worker holds now
+        assert oracle["a"] == [truth(trainer)] * len(oracle["a"])
+        for op in [*sequence, ("sync", "only_changed", NAMES)]:  # the last sync: all of it, exact
+            note(f"op {op}")
+            kind = op[0]
+            if kind == "change":
+                trainer.change(op[1], op[2])()
+            elif kind == "swap":
+                trainer.swap_blocks(op[1])()
+            elif kind == "flip":
+                trainer.flip(op[1], op[2])()
+            elif kind == "kill":
+                gang = by_name[op[1]]
+                pids = gang.pid()()
+                pids = pids if isinstance(pids, list) else [pids]
+                os.kill(pids[op[2] % len(pids)], signal.SIGKILL)
+                _rebuilt(gang, set(pids))
+                fresh = {n: digest(t) for n, t in initial(SEEDS[op[1]]).items()}
+                oracle[op[1]] = [dict(fresh) for _ in pids]  # the whole gang is rebuilt, from scratch
+                assert held(gang) == oracle[op[1]]
+            elif kind == "add":
+                if "b" not in targets:
+                    targets.append("b")
+                    ws.retarget([by_name[g] for g in targets])
+            else:
+                mode, subset = op[1], sorted(op[2])
+                names = subset if "names" in mode else None
+                stats = ws.sync(names=names, only_changed=mode.startswith("only_changed"))
+                asked = names if names is not None else NAMES
+                assert set(stats.names) <= set(asked), (stats.names, asked)
+                truth_now = truth(trainer)
+                for g in targets:
+                    for worker in oracle[g]:
+                        worker.update({n: truth_now[n] for n in asked})
+                for g in ("a", "b"):
+                    got = held(by_name[g])
+                    for rank, (have, want) in enumerate(zip(got, oracle[g], strict=True)):
+                        wrong = [n for n in NAMES if have[n] != want[n]]
+                        assert not wrong, f"after {op}: sampler {g} rank {rank} differs from the oracle in {wrong}"
+    finally:
+        ws.close()
