@@ -56,6 +56,21 @@ class Tensors(WeightSyncMixin):
 
     def __init__(self, device_mesh=None, seed: int = 0):
         self.t = initial(seed)
+        self.refuse: str | None = None
+
+    @remote_function(dispatch="all")
+    def refuse_loading(self, name: str | None) -> None:
+        """Make loading a bucket holding ``name`` fail (None: load everything again)."""
+        self.refuse = name
+
+    @remote_function(dispatch="all")
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def weight_sync_load(self, items) -> None:
+        if self.refuse is not None and any(n == self.refuse for n, _ in items):
+            raise ValueError(f"cannot load {self.refuse!r} today")
+        super().weight_sync_load(items)
 
     def weight_sync_shards(self) -> list[Slab]:
         return [Slab(n, t) for n, t in self.t.items()]
@@ -133,6 +148,7 @@ def assert_exact(gang, want: dict[str, str], names=NAMES, what: str = "") -> Non
 
 
 # ------------------------------------------------------------------------------ the fingerprint
+@pytest.mark.slow  # hashing 4 x 2 M elements: seconds on 2 busy cores
 def test_fingerprint_sees_moved_blocks_and_single_flips_in_every_dtype():
     """Defect: a weighted sum whose weights repeat every 2**20 elements was blind to two swapped
     2**20-element blocks."""
@@ -160,6 +176,7 @@ def _refused(fn, match: str) -> float:
     return time.monotonic() - start
 
 
+@pytest.mark.slow  # the module's gangs start in ~30 s under load
 def test_bad_targets_and_names_are_refused_and_the_next_sync_works_at_once(gangs):
     """Defects 3 and 4: a sampler twice, or the trainer among its targets, were accepted and hung
     (24 h peer wait), wedging both gangs. Each bad input: a ValueError naming it, before any byte
@@ -189,6 +206,7 @@ def test_bad_targets_and_names_are_refused_and_the_next_sync_works_at_once(gangs
         assert_exact(b, want, what=match)
 
 
+@pytest.mark.slow  # the module's gangs start in ~30 s under load
 def test_a_name_unknown_to_a_fresh_channel_is_refused_before_sending(gangs):
     """names= on a channel's first sync: the set-up finds the trainer's names, the check comes
     before any byte moves, and the channel then works."""
@@ -204,6 +222,7 @@ def test_a_name_unknown_to_a_fresh_channel_is_refused_before_sending(gangs):
 
 
 # ------------------------------------------------------------------------------ bookkeeping
+@pytest.mark.slow  # the module's gangs start in ~30 s under load
 def test_names_marks_only_what_it_sent(gangs):
     """Defect 1: a names=["a"] sync recorded every tensor as sent, so a later only_changed sync
     skipped 'b' (changed, never sent): the sampler stayed stale, silently."""
@@ -221,6 +240,7 @@ def test_names_marks_only_what_it_sent(gangs):
     assert sync_weights(trainer, [a, b], only_changed=True).bytes == 0  # nothing left to send
 
 
+@pytest.mark.slow  # the module's gangs start in ~30 s under load
 def test_only_changed_sees_swapped_blocks_and_one_flipped_bit(gangs):
     trainer, a, b = gangs
     sync_weights(trainer, [a, b], only_changed=True)
@@ -233,6 +253,7 @@ def test_only_changed_sees_swapped_blocks_and_one_flipped_bit(gangs):
     assert_exact(b, truth(trainer))
 
 
+@pytest.mark.slow  # the module's gangs start in ~30 s under load
 def test_only_changed_after_a_plain_sync_and_an_added_receiver(gangs):
     """A receiver added to the channel starts with an empty record: it gets everything, the others
     only what changed."""
@@ -247,6 +268,86 @@ def test_only_changed_after_a_plain_sync_and_an_added_receiver(gangs):
     trainer.change("a", 22)()
     sync_weights(trainer, [a, b])  # plain, while tracked: records everything it sent
     assert sync_weights(trainer, [a, b], only_changed=True).bytes == 0
+
+
+@pytest.mark.slow  # the module's gangs start in ~30 s under load
+def test_a_receiver_that_failed_to_load_is_never_skipped_silently(gangs):
+    """A receiver's load failed in a wait=False sync and the next only_changed sync was made before
+    anyone read the first one's error: the trainer's record says the receiver holds what the first
+    sync sent, but it does not. The second sync raises (it never sends only what changed since),
+    and the next sync sends everything."""
+    trainer, a, _ = gangs
+    ws = WeightSync(trainer, a, timeout_s=60)
+    try:
+        ws.sync(only_changed=True)
+        a.refuse_loading("a")()
+        trainer.change("a", 31)()
+        a.sleep(5.0)  # the samplers are busy: the first sync cannot finish before the second is made
+        first = ws.sync(only_changed=True, wait=False)
+        a.refuse_loading(None)  # after the first sync, in the sampler's order
+        trainer.change("c", 32)()
+        second = ws.sync(only_changed=True, wait=False)
+        assert not first.done()  # the driver could not know the first one failed
+        with pytest.raises(ValueError, match="cannot load 'a' today"):
+            twinkle_ray.get(first)
+        # never a silent skip: the receiver closed its pairs when its load failed (the next set-up
+        # rebuilds them, records empty); a receiver end that kept them refuses the partial sync
+        with pytest.raises(RuntimeError, match="not set up in this receiver|did not take an earlier sync"):
+            twinkle_ray.get(second)
+        want = truth(trainer)
+        assert all(d["a"] != want["a"] for d in held(a))  # the failed load left 'a' behind
+        stats = ws.sync(only_changed=True)  # after a failed sync: everything
+        assert set(stats.names) == set(NAMES)
+        assert_exact(a, want)
+    finally:
+        ws.close()
+
+
+def test_a_receiver_end_refuses_an_only_changed_sync_after_one_it_did_not_take():
+    """The receiver end's own guard (pairs kept after a failed load, as a fan-out hook of one's own
+    may do): each header carries how many syncs the sender's record holds for the pair; an
+    only_changed sync to a receiver that did not take one of them whole is drained, not loaded,
+    and raises. Before, it sent only 'a' (changed) and the receiver lacked 'b', silently."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from weights_helpers import InProcess
+
+    src = {"a": torch.randn(10), "b": torch.randn(3, 4)}
+    got: dict = {}
+    refusals = {"left": 1}
+
+    def consume(buckets):
+        for items in buckets:
+            if refusals["left"]:
+                refusals["left"] -= 1
+                raise ValueError("engine refused the weights")
+            got.update({n: t.clone() for n, t in items})
+
+    ch = InProcess(src, [consume])
+
+    def only_changed():
+        prints = [fingerprint(s.tensor) for s in ch.slabs]
+        chosen = ch.source.stale(ch.slabs, prints, None)
+        return ch.both(lambda: ch.source.send(ch.slabs, None, prints, chosen, 1 << 20),
+                       [lambda: ch.ends[0].recv("ws-t")])
+
+    try:
+        _, errs = only_changed()  # everything; the consumer refuses it
+        assert isinstance(errs[0], ValueError)
+        ch.slabs[0].tensor.add_(1)
+        stats, errs = only_changed()  # the record says 'b' is there: only 'a' would go
+        assert stats["names"] == ["a"]
+        assert isinstance(errs[0], RuntimeError) and "did not take an earlier sync" in str(errs[0]), errs
+        assert not got  # drained, nothing loaded
+        ch.source.forget()  # what the next sync does after a failed one
+        stats, errs = only_changed()
+        assert not isinstance(errs[0], Exception), errs
+        assert got.keys() == src.keys() and all(torch.equal(got[n], src[n]) for n in src)
+        stats, errs = only_changed()  # in step again: nothing changed, nothing sent
+        assert stats["names"] == [] and not isinstance(errs[0], Exception)
+    finally:
+        ch.close()
 
 
 # ------------------------------------------------------------------------------ generated sequences

@@ -157,12 +157,21 @@ class WeightSync:
         return [(self.source, src), *zip(self.targets, tgt, strict=True), (self.source, setup), *joins]
 
     def _gang_generations(self) -> tuple:
-        """Which build of each gang runs now (its dispatcher answers at once): a rebuilt gang holds no pairs."""
-        out = []
+        """Which build of each gang runs now (its dispatcher answers at once): a rebuilt gang holds no
+        pairs. Every gang is asked at once: one round trip per sync, whatever the number of gangs."""
+        import ray
+
+        refs = []
         for g in [self.source, *self.targets]:
             try:
-                t = g.topology()
-                out.append((t["dispatcher_id"], t["generation"]))
+                refs.append(g.topology_ref())
+            except Exception:  # closed: the sync will say so
+                refs.append(None)
+        out = []
+        for ref in refs:
+            try:
+                t = ray.get(ref) if ref is not None else None
+                out.append(None if t is None else (t["dispatcher_id"], t["generation"]))
             except Exception:  # gone: the sync will say so
                 out.append(None)
         return tuple(out)

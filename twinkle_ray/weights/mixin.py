@@ -297,7 +297,7 @@ class WeightSyncMixin:
         state = self._ws_state()
         end = state["sources"].get(channel)
         if reset and end is not None:
-            end.sent.clear()
+            end.forget()
         figures: dict | None = None
         error: BaseException | None = None
         path = "resharded"

@@ -51,6 +51,9 @@ class SourceEnd:
         # pair -> slab index -> fingerprint of what that pair's receiver last got of the slab (kept
         # while only_changed is tracked; a pair opened, rebuilt or replanned starts empty)
         self.sent: dict[str, dict[int, str]] = {}
+        # pair -> syncs its receiver took whole since that record started (sent in each header as
+        # 'base': a receiver whose own count differs did not take what the record says it holds)
+        self.taken: dict[str, int] = {}
         self.backend = ""
         self.opened = 0  # pairs opened over this end's life (a diagnostic: what a rejoin rebuilt)
         self.syncs = 0
@@ -63,9 +66,9 @@ class SourceEnd:
         for key in [k for k in self.pairs if k not in mine]:
             self.pairs.pop(key).close()
             self.receiver_of.pop(key, None)
-        for key in list(self.sent):  # a pair gone, or with other pieces now: its record no longer applies
-            if key not in mine or self.pieces.get(key) != plan["pairs"][key]["pieces"]:
-                self.sent.pop(key)
+        for key in list(self.sent) + list(self.taken):  # a pair gone, or with other pieces now: its
+            if key not in mine or self.pieces.get(key) != plan["pairs"][key]["pieces"]:  # record is void
+                self.forget(key)
         try:
             for i, key in enumerate(mine):
                 pair = self.pairs.get(key)
@@ -74,7 +77,7 @@ class SourceEnd:
                 if pair is not None:
                     pair.close()
                 self.pairs.pop(key, None)
-                self.sent.pop(key, None)
+                self.forget(key)
                 try:
                     self.pairs[key] = open_pair(self.endpoint, key, 0, backend, self.timeout_s,
                                                 plan.get("attempt", ""))
@@ -89,6 +92,15 @@ class SourceEnd:
             self.pieces = {k: plan["pairs"][k]["pieces"] for k in mine}
             self.receiver_of = {k: plan["pairs"][k]["receiver"] for k in mine}
         return mine
+
+    def forget(self, key: str | None = None) -> None:
+        """Drop the record of what pair ``key``'s receiver holds (None: every pair's): it gets
+        everything asked for next."""
+        for book in (self.sent, self.taken):
+            if key is None:
+                book.clear()
+            else:
+                book.pop(key, None)
 
     def refuse(self, plan: dict, rank: int, message: str) -> None:
         """This rank failed before joining: tell the receivers waiting for its hello."""
@@ -135,7 +147,9 @@ class SourceEnd:
                    and (want is None or slabs[p[1]].name in want)]
             try:
                 posted_headers[key] = self.pairs[key].post_header(
-                    {"seq": self.syncs, "pieces": sel, "bucket_bytes": bucket_bytes})
+                    {"seq": self.syncs, "pieces": sel, "bucket_bytes": bucket_bytes,
+                     "base": self.taken.get(key, 0), "only_changed": chosen is not None,
+                     "full": len(sel) == len(pieces)})
             except Exception as e:  # this receiver is gone
                 error = error or peer_failed(key, e)
                 self.pairs.pop(key).close(broken=True)
@@ -178,13 +192,14 @@ class SourceEnd:
         names_sent = set()
         for key, pieces, _, sel in jobs:
             if key in self.pairs:  # taken whole by its receiver's pair: what it holds now
+                self.taken[key] = self.taken.get(key, 0) + 1
                 last = self.sent.setdefault(key, {})
                 for i in sel:
                     names_sent.add(slabs[pieces[i][1]].name)
                     if prints is not None:
                         last[pieces[i][1]] = prints[pieces[i][1]]
             else:  # broken under this sync: its receiver may hold part of it
-                self.sent.pop(key, None)
+                self.forget(key)
         self.syncs += 1
         if error is not None:
             raise error
