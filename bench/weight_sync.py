@@ -18,6 +18,11 @@ Usage::
     python -m bench.weight_sync --w2            # 64 MB, sizes 1x1->1, tp2xpp2->2, tp2xpp2xdp2->4
     python -m bench.weight_sync --w2 --quick    # ~6.5 MB
     python -m bench.weight_sync --w2 --json
+    python -m bench.weight_sync --soak 500      # 500 mixed syncs: fds, threads, RSS of every process
+
+Each W2 row also gives the cost of ``only_changed``'s fingerprint (BLAKE2b over the raw bytes, seconds
+per GB in this process) and the wall time of an ``only_changed`` sync that finds nothing changed,
+beside the sync that sends everything.
 """
 
 from __future__ import annotations
@@ -68,6 +73,12 @@ def _one(tp: int, pp: int, dp: int, samplers: int, scale: int, repeats: int) -> 
         ok = sampler.digests()() == [expected_digests(1.0 + repeats, 1, i, scale=scale) for i in range(samplers)] \
             if samplers > 1 else sampler.digests()() == expected_digests(1.0 + repeats, 1, 0, scale=scale)
         recv = ws.channels()
+        ws.sync(only_changed=True)  # changes tracked from here: this one sends everything
+        noop = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            assert ws.sync(only_changed=True).bytes == 0
+            noop.append(time.perf_counter() - t0)
         ws.close()
         # broadcast (the old path), same gangs
         lanes = trainer.bcast_host()()
@@ -93,6 +104,7 @@ def _one(tp: int, pp: int, dp: int, samplers: int, scale: int, repeats: int) -> 
         "size": f"tp{tp}xpp{pp}xdp{dp}->{samplers}", "model_mb": size / 2**20, "bit_exact": bool(ok and bok),
         "resharded_s": statistics.median(times), "broadcast_s": statistics.median(btimes),
         "ratio": statistics.median(times) / statistics.median(btimes),
+        "only_changed_noop_s": statistics.median(noop), "fingerprint_s_per_gb": fingerprint_cost(),
         "busiest_trainer_mb": max(payload.values()) / 2**20, "fair_share_mb": fair / 2**20,
         "busiest_vs_fair": max(payload.values()) / fair, "senders": len(payload),
         "busiest_sampler_mb": busiest_recv / 2**20, "total_mb": total / 2**20,
@@ -104,6 +116,92 @@ def _one(tp: int, pp: int, dp: int, samplers: int, scale: int, repeats: int) -> 
         "resharded_written_mb": max(stats.sent_bytes.values()) / 2**20,
         "pairs": sum(c["pairs"] for r in recv["trainer"] for c in r["sources"].values()),
     }
+
+
+def fingerprint_cost(mb: int = 64) -> float:
+    """Seconds per GB (1e9 bytes) of the ``only_changed`` fingerprint in this process (best of 3)."""
+    import torch
+
+    from twinkle_ray.weights import fingerprint
+
+    t = torch.randn(mb << 18)  # mb MB of float32
+    best = min(_timed(fingerprint, t) for _ in range(3))
+    return best / (t.numel() * 4 / 1e9)
+
+
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def _proc(pid: int) -> dict:
+    """Open fds, threads and RSS (MB) of process ``pid`` (this node's /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    field = {line.split(":")[0]: line.split(":")[1].split() for line in status}
+    return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": int(field["Threads"][0]),
+            "rss_mb": int(field["VmRSS"][0]) / 1024}
+
+
+def soak(syncs: int = 500, scale: int = 2) -> dict:
+    """``syncs`` syncs in a row from a tp2 x dp2 trainer to two sampler gangs (one tensor-parallel),
+    plain, ``names=`` subsets and ``only_changed`` mixed, the trainer's weights changing between them:
+    every trainer and sampler process's open fds, threads and RSS after the first sync and at the end,
+    and the weights checked bit-exact at the end."""
+    import random
+
+    from weights_helpers import LayoutSampler, LayoutTrainer, expected_digests
+
+    import twinkle_ray
+    from twinkle_ray import DeviceGroup
+    from twinkle_ray.weights import WeightSync
+
+    twinkle_ray.initialize(groups=[DeviceGroup("trainer", 4, "cpu", cpus_per_worker=0.1),
+                                   DeviceGroup("full", 1, "cpu", cpus_per_worker=0.1),
+                                   DeviceGroup("tp", 2, "cpu", cpus_per_worker=0.1)],
+                           num_cpus=8, runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                               [str(ROOT), str(TESTS), str(ROOT / "bench")])}})
+    try:
+        trainer = LayoutTrainer(None, 2, 1, 2, version=1.0, scale=scale, remote_group="trainer")
+        full = LayoutSampler(None, 1, scale=scale, remote_group="full")
+        tp = LayoutSampler(None, 2, scale=scale, remote_group="tp")
+        ws = WeightSync(trainer, [full, tp], timeout_s=120)
+        ws.sync()
+        pids = {"trainer": trainer.pid()(), "full sampler": [full.pid()()], "tp sampler": tp.pid()()}
+        pids["driver"] = [os.getpid()]
+
+        def figures() -> dict:
+            return {f"{who} {i}": _proc(pid) for who, ps in pids.items() for i, pid in enumerate(ps)}
+
+        start = figures()
+        names = sorted(expected_digests(1.0, 1, 0, scale=scale))
+        rng = random.Random(46)
+        version, t0, kinds = 1.0, time.perf_counter(), {"plain": 0, "names": 0, "only_changed": 0}
+        middle: dict = {}
+        for i in range(syncs):
+            if i == syncs // 2:
+                middle = figures()
+            kind = rng.choice(list(kinds))
+            kinds[kind] += 1
+            if rng.random() < 0.5:
+                version += 1
+                trainer.set_version(version)()
+            if kind == "plain":
+                ws.sync()
+            elif kind == "names":
+                ws.sync(names=rng.sample(names, 3))
+            else:
+                ws.sync(only_changed=True)
+        took = time.perf_counter() - t0
+        ws.sync(only_changed=True)  # everything the syncs above left behind: now exact
+        exact = full.digests()() == expected_digests(version, 1, 0, scale=scale) and \
+            tp.digests()() == [expected_digests(version, 2, r, scale=scale) for r in range(2)]
+        end = figures()
+        ws.close()
+    finally:
+        twinkle_ray.shutdown()
+    return {"syncs": syncs, "kinds": kinds, "seconds": took, "exact": exact, "start": start, "middle": middle,
+            "end": end}
 
 
 def projection(params: float = 70e9, bytes_per: int = 2, tp: int = 8, pp: int = 4, dp: int = 4,
@@ -132,7 +230,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="~6.5 MB instead of 64 MB")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--soak", type=int, default=0, metavar="N", help="N mixed syncs: every process's fds, "
+                                                                     "threads, RSS at start and end")
     args = p.parse_args(argv)
+    if args.soak:
+        out = soak(args.soak)
+        if args.json:
+            print(json.dumps(out))
+            return 0
+        print(f"{out['syncs']} syncs ({out['kinds']}) in {out['seconds']:.1f}s, exact at the end: {out['exact']}")
+        print(f"{'process':<16}{'fds (start, half-way, end)':>28}{'threads':>16}{'RSS MB':>26}")
+        for who, a in out["start"].items():
+            m, b = out["middle"][who], out["end"][who]
+            print(f"{who:<16}{a['fds']:>12}{m['fds']:>8}{b['fds']:>8}{a['threads']:>8}{m['threads']:>4}"
+                  f"{b['threads']:>4}{a['rss_mb']:>10.1f}{m['rss_mb']:>8.1f}{b['rss_mb']:>8.1f}")
+        return 0
     scale = 3 if args.quick else 10
     rows = [_one(*layout, samplers, scale, args.repeats) for layout, samplers in SIZES]
     proj = projection()
@@ -147,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['busiest_trainer_mb']:>15.1f}{r['fair_share_mb']:>9.1f}{r['busiest_vs_fair']:>7.2f}"
               f"{r['busiest_sampler_mb']:>16.1f}{r['total_mb']:>10.1f}{r['kept_mb']:>9.1f}"
               f"{r['broadcast_busiest_trainer_mb']:>18.1f}{str(r['bit_exact']):>7}")
+        print(f"{'':<18}only_changed with nothing changed {r['only_changed_noop_s']:.3f}s wall (a full sync "
+              f"{r['resharded_s']:.3f}s); its fingerprint costs {r['fingerprint_s_per_gb']:.2f}s per GB here")
     print(f"projection, 70B bf16 tp8xpp4xdp4 -> 32 engines at {LINK_GBPS:g} GB/s per link: busiest process "
           f"{proj['resharded_busiest_gb']:.1f} GB ({proj['resharded_s']:.2f}s) resharded vs "
           f"{proj['rank0_busiest_gb']:.0f} GB ({proj['rank0_s']:.1f}s) rank-0 path, "

@@ -19,6 +19,7 @@ import time
 
 import pytest
 import torch
+from weights_helpers import LayoutSampler, LayoutTrainer, expected_digests
 
 import twinkle_ray
 from twinkle_ray import (
@@ -162,6 +163,59 @@ def test_a_sampler_killed_and_rebuilt_rejoins_without_rebuilding_anyone_else(run
     rebuilt = sum(after[k] - before[k] for k in before if k.startswith("trainer"))
     assert rebuilt == sum(len([k for k in ks if k.split("-", 1)[1] not in uid_a]) for ks in pairs_after.values())
     assert stats.receivers == 2
+    ws.close()
+
+
+@remote_class(max_restarts=3)
+class HealingSampler(LayoutSampler):
+    """A tensor-parallel sampler gang that rebuilds itself after a death (``max_restarts``)."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("auto", [False, True], ids=["restart", "max_restarts"])
+def test_a_rebuilt_tp_sampler_rejoins_at_its_next_sync(runtime, auto):
+    """A tensor-parallel sampler (2 workers, each its own rows) fed by a tp2 x dp2 trainer (two
+    replicas sharing the receivers), changes tracked (only_changed): it loses rank 0, then rank 1,
+    then a worker in the middle of a sync; each time the next sync after its rebuild is exact and
+    takes the sync's own time (nothing waits out a timeout: timeout_s is 120 here)."""
+    runtime.initialize(groups=[DeviceGroup("trainer", 4, "cpu", cpus_per_worker=0.25),
+                               DeviceGroup("sampler", 2, "cpu", cpus_per_worker=0.25)])
+    trainer = LayoutTrainer(None, 2, 1, 2, version=1.0, remote_group="trainer")
+    sampler = (HealingSampler if auto else LayoutSampler)(None, 2, remote_group="sampler")
+    ws = WeightSync(trainer, sampler, timeout_s=120)
+    ws.sync(only_changed=True)
+    version = 1.0
+    for victim in ("rank 0", "rank 1", "mid-sync"):
+        pids = sampler.pid()()
+        version += 1
+        trainer.set_version(version)()
+        if victim == "mid-sync":
+            handle = ws.sync(only_changed=True, wait=False)
+            os.kill(pids[0], signal.SIGKILL)
+        else:
+            os.kill(pids[int(victim[-1])], signal.SIGKILL)
+            handle = ws.sync(only_changed=True, wait=False)
+        t0 = time.monotonic()
+        try:
+            twinkle_ray.get(handle)  # the kill may land after the sync: then it went through
+        except WorkerDiedError:
+            pass
+        assert time.monotonic() - t0 < LIMIT_S
+        start = time.monotonic()
+        if not auto:
+            sampler.restart()
+        for attempt in range(2):
+            try:  # with max_restarts, the first call after a death may still raise it (the contract)
+                stats = ws.sync(only_changed=True)
+                break
+            except WorkerDiedError:
+                assert auto and attempt == 0
+        took = time.monotonic() - start
+        print(f"\n{victim}: rebuilt and synced in {took:.1f}s ({stats})")
+        assert took < 60  # a full timeout_s (120 s) waited anywhere fails this
+        got = sampler.digests()()
+        for rank, d in enumerate(got):
+            assert d == expected_digests(version, 2, rank), f"after losing {victim}: sampler rank {rank} differs"
     ws.close()
 
 

@@ -246,7 +246,7 @@ class InProcess:
             if fail is not None:
                 self.source.fail(fail)
                 return None
-            return self.source.send(self.slabs, set(names) if names is not None else None, None,
+            return self.source.send(self.slabs, set(names) if names is not None else None, None, None,
                                     int(bucket_mb * 2**20))
 
         return self.both(src, [lambda e=e: e.recv("ws-t") for e in self.ends])

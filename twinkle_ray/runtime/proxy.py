@@ -512,8 +512,12 @@ class GangProxy:
 
     def topology(self) -> dict:
         """The gang's ranks, nodes and devices (as its dispatcher reports them)."""
+        return ray.get(self.topology_ref())
+
+    def topology_ref(self) -> ray.ObjectRef:
+        """``topology()`` without waiting: a ref to it (read several gangs' in one round trip)."""
         self._check_open()
-        return ray.get(self._gang.dispatcher.describe.remote())
+        return self._gang.dispatcher.describe.remote()
 
     def on_close(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` once when this gang is closed (``close()``, ``shutdown()``), before

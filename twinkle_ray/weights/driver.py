@@ -41,18 +41,69 @@ def _is_gang(obj: Any) -> bool:
     return isinstance(obj, GangProxy)
 
 
+def _identity(obj: Any) -> Any:
+    """What names one gang, whichever handle of it (a pickled copy, one found by name): its label
+    (``'group/Class'``); an in-process object: itself."""
+    if _is_gang(obj):
+        return ("gang", obj.label)
+    return ("object", id(obj))
+
+
+def _name(obj: Any) -> str:
+    return repr(obj) if _is_gang(obj) else f"{type(obj).__name__} object"
+
+
+def check_targets(source: Any, targets: Sequence[Any]) -> None:
+    """Refuse targets no sync can serve, before any byte moves (``ValueError`` naming the gang): none
+    at all, the trainer among its own targets, one gang twice (also through two handles of it)."""
+    if not targets:
+        raise ValueError(f"weight sync from {_name(source)}: the target list is empty (give at least one "
+                         f"sampler gang)")
+    me = _identity(source)
+    seen: dict = {}
+    for i, t in enumerate(targets):
+        key = _identity(t)
+        if key == me:
+            raise ValueError(f"weight sync: the trainer {_name(source)} is among its own targets (target {i}); "
+                             f"a gang cannot send its weights to itself")
+        if key in seen:
+            raise ValueError(f"weight sync: {_name(t)} is twice among the targets (targets {seen[key]} and {i}"
+                             + ("; two handles of one gang" if t is not targets[seen[key]] else "")
+                             + "): each sampler gang may be named once")
+        seen[key] = i
+
+
+def check_names(names: Sequence[str] | None, known: Any, trainer: Any) -> list[str] | None:
+    """``names`` as a list, refused (``ValueError`` naming them) when the trainer lacks any of them
+    (``known``: the trainer's tensor names, None when not known yet); a bare string is refused too."""
+    if names is None:
+        return None
+    if isinstance(names, str):
+        raise ValueError(f"weight sync: names= takes a list of tensor names, got the string {names!r}")
+    names = list(names)
+    if known is not None:
+        missing = [n for n in names if n not in known]
+        if missing:
+            raise ValueError(f"weight sync: unknown tensor name(s) {missing[:5]}"
+                             + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+                             + f" in names=: trainer {_name(trainer)} has no such tensor; nothing was sent")
+    return names
+
+
 class WeightSync:
     """Driver-side handle of one trainer -> samplers weight channel (see the module docstring).
 
-    Timeouts: a pair's first wait in a sync (the other gang may still be running earlier calls) is
-    not timed (a death ends it at once); every later step is bounded by ``timeout_s``, and so is the
-    set-up. ``wait=True`` bounds the whole sync by ``timeout_s + 30`` s.
+    Timeouts: no wait in a sync or a set-up is longer than ``timeout_s`` -- a pair's first wait too
+    (the other gang may still be running earlier calls: it has ``timeout_s`` to reach the sync); a
+    death of the other side ends any wait at once. ``wait=True`` bounds the whole sync by
+    ``timeout_s + 30`` s.
     """
 
     def __init__(self, source: Any, targets: Any, *, backend: str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, bucket_mb: float = DEFAULT_BUCKET_MB):
         self.source = source
         self.targets = list(targets) if isinstance(targets, list | tuple) else [targets]
+        check_targets(source, self.targets)
         self.backend, self.timeout_s, self.bucket_mb = backend, timeout_s, bucket_mb
         self.channel = f"ws-{uuid.uuid4().hex[:10]}"
         self.backend_used: str | None = backend
@@ -61,6 +112,8 @@ class WeightSync:
         self._reset = False  # after a failure: the senders forget what each receiver holds
         self._generations: tuple = ()
         self._last: SyncHandle | None = None
+        self._known: set[str] | None = None  # the trainer's tensor names, from the last set-up's plan
+        self._setup: Any = None  # that set-up's plan call, read once it is done (never waited on)
         self._remote = _is_gang(source)
         if any(_is_gang(t) != self._remote for t in self.targets):
             raise TypeError("WeightSync: source and targets must all be gangs or all be local objects")
@@ -97,19 +150,28 @@ class WeightSync:
         """Submit the set-up calls (nothing waits here); returns them as (gang, LazyResult) ends."""
         src = self.source.weight_sync_probe("source", self.channel, self.timeout_s)
         tgt = [g.weight_sync_probe("target") for g in self.targets]
-        setup = self.source.weight_sync_plan(self.channel, self.backend, self.timeout_s, src, *tgt)
+        setup = self._setup = self.source.weight_sync_plan(self.channel, self.backend, self.timeout_s, src, *tgt)
         joins = [(self.source, self.source.weight_sync_join(self.channel, setup, "source"))]
         joins += [(g, g.weight_sync_join(self.channel, setup, "target", i)) for i, g in enumerate(self.targets)]
         self._generations = self._gang_generations()
         return [(self.source, src), *zip(self.targets, tgt, strict=True), (self.source, setup), *joins]
 
     def _gang_generations(self) -> tuple:
-        """Which build of each gang runs now (its dispatcher answers at once): a rebuilt gang holds no pairs."""
-        out = []
+        """Which build of each gang runs now (its dispatcher answers at once): a rebuilt gang holds no
+        pairs. Every gang is asked at once: one round trip per sync, whatever the number of gangs."""
+        import ray
+
+        refs = []
         for g in [self.source, *self.targets]:
             try:
-                t = g.topology()
-                out.append((t["dispatcher_id"], t["generation"]))
+                refs.append(g.topology_ref())
+            except Exception:  # closed: the sync will say so
+                refs.append(None)
+        out = []
+        for ref in refs:
+            try:
+                t = ray.get(ref) if ref is not None else None
+                out.append(None if t is None else (t["dispatcher_id"], t["generation"]))
             except Exception:  # gone: the sync will say so
                 out.append(None)
         return tuple(out)
@@ -125,6 +187,27 @@ class WeightSync:
         if self._ok and self._gang_generations() != self._generations:
             self._ok = False
 
+    def known_names(self, wait: bool = False) -> set[str] | None:
+        """The trainer's tensor names as the last set-up's plan found them (None: not known yet).
+        ``wait``: set the channel up first when it is not (a ``names=`` sync that waits anyway)."""
+        setup = self._setup
+        if setup is not None and (setup.done() or wait):
+            from ..runtime.session import get
+
+            try:
+                self._known = set(get(setup, self.timeout_s + 30)["plan"]["names"])
+            except Exception:  # that set-up failed: its sync says why; the trainer checks names itself
+                logger.debug("weight sync %s: set-up not readable for names", self.channel, exc_info=True)
+            self._setup = None
+        elif self._known is None and wait and self._remote:
+            try:
+                self.setup()
+            except Exception:  # the sync itself raises it (and sets up again)
+                logger.debug("weight sync %s: set-up before a names= check failed", self.channel, exc_info=True)
+                self._ok = False
+            return self.known_names(wait=False)
+        return self._known
+
     def failed(self) -> None:
         """A sync failed: the next one sets up again (only broken pairs are rebuilt) and sends everything."""
         self._ok = False
@@ -134,6 +217,7 @@ class WeightSync:
         """Sync to ``targets`` from now on: gangs no longer named leave the channel; new ones join at
         the next sync. The trainer's endpoints and the remaining samplers' pairs are kept."""
         targets = list(targets)
+        check_targets(self.source, targets)
         gone = [g for g in self.targets if all(g is not t for t in targets)]
         new = [t for t in targets if all(t is not g for g in self.targets)]
         self._leave(gone)
@@ -153,11 +237,12 @@ class WeightSync:
         if self.closed:
             raise RuntimeError(f"weight sync {self.channel} is closed")
         if not self._remote:
-            stats = _local_sync(self.source, self.targets, names)
+            known = {s.name for s in self.source.weight_sync_shards()} if names is not None else None
+            stats = _local_sync(self.source, self.targets, check_names(names, known, self.source))
             return stats if wait else SyncHandle.finished(stats)
         self._check()
+        names = check_names(names, self.known_names(wait=wait and names is not None), self.source)
         ends = [] if self._ok else self._open()
-        names = list(names) if names is not None else None
         ends.append((self.source, self.source.weight_sync_send(self.channel, names, only_changed, self.bucket_mb,
                                                                self._reset)))
         result = len(ends) - 1
@@ -280,6 +365,7 @@ def sync_weights(
     >>> # handle = sync_weights(trainer, [sampler_a, sampler_b], wait=False); ...; twinkle_ray.get(handle)
     """
     samplers = list(sampler) if isinstance(sampler, list | tuple) else [sampler]
+    check_targets(trainer, samplers)
     if not _is_gang(trainer):
         return WeightSync(trainer, samplers).sync(names=names, only_changed=only_changed, wait=wait)
     reg = _registry()

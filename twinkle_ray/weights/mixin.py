@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -297,7 +298,7 @@ class WeightSyncMixin:
         state = self._ws_state()
         end = state["sources"].get(channel)
         if reset and end is not None:
-            end.sent.clear()
+            end.forget()
         figures: dict | None = None
         error: BaseException | None = None
         path = "resharded"
@@ -310,7 +311,8 @@ class WeightSyncMixin:
             if names is not None and known is not None:
                 missing = [n for n in names if n not in known]
                 if missing:
-                    raise KeyError(f"weight sync: unknown tensor name(s) {missing[:5]} (of {len(missing)})")
+                    raise ValueError(f"weight sync: unknown tensor name(s) {missing[:5]} (of {len(missing)}) "
+                                     f"in names=: the trainer has no such tensor; nothing was sent")
             slabs, path = self._weight_sync_slabs()
             planned = state["metas"].get(channel)
             now = [x.meta() for x in slabs]
@@ -321,16 +323,25 @@ class WeightSyncMixin:
                                  f"shapes/dtypes); nothing was sent, the next sync makes a new plan")
         except Exception as e:
             error = e
+        # Bookkeeping by what was really sent: once only_changed was asked for on this channel, every
+        # sync fingerprints the slabs it may send and each pair records, per slab, the fingerprint
+        # its receiver last got. only_changed sends a tensor to a receiver when any rank finds it
+        # stale there (gathered: every rank sends its pieces of the same tensors, never a part).
         tracking = only_changed or channel in state["tracking"]
-        prints = None
-        if tracking:  # every rank in step: the decision per tensor is the same on every sender
+        prints: list | None = None
+        chosen: dict | None = None
+        t0 = time.perf_counter()
+        if tracking:
             state["tracking"].add(channel)
-            mine = {} if error is not None else {f"{s.name}#{s.meta()[4]}": fingerprint(s.tensor) for s in slabs}
-            merged: dict[str, list] = {}
+            if error is None:
+                prints = [fingerprint(s.tensor) if names is None or s.name in names else None for s in slabs]
+        if only_changed:  # every rank in step: the decision per tensor and receiver is the same on all
+            mine = end.stale(slabs, prints, names) if error is None and end is not None else {}
+            chosen = {}
             for part in _all_gather(mine):
-                for k, fp in part.items():
-                    merged.setdefault(k.rsplit("#", 1)[0], []).append((k, fp))
-            prints = {n: tuple(sorted(v)) for n, v in merged.items()} if only_changed else None
+                for uid, stale in part.items():
+                    chosen.setdefault(uid, set()).update(stale)
+        prepare_s = time.perf_counter() - t0
         # Past the trainer's own collectives: a failed rank tells its receivers now (its error
         # header waits for each receiver to take it; told before the gather above, a receiver
         # reading another rank's pair first would leave that rank, and so this one, waiting).
@@ -338,11 +349,9 @@ class WeightSyncMixin:
             end.fail(f"{type(self).__name__} rank {get_rank()}: {type(error).__name__}: {error}")
         if error is None and end is not None:
             try:
-                figures = end.send(slabs, set(names) if names is not None else None, prints,
+                figures = end.send(slabs, set(names) if names is not None else None, prints, chosen,
                                    int(bucket_mb * 2**20))
-                if tracking and not only_changed:  # a full sync while tracking: remember what was sent
-                    for uid in end.sent:
-                        end.sent[uid].update({n: tuple(sorted(v)) for n, v in merged.items()})
+                figures["prepare_s"] = prepare_s
             except Exception as e:  # raised after the figures are exchanged: no rank left in a collective
                 error = e
         parts = _all_gather((get_rank(), figures, bytes_written() - w0, path))
@@ -351,9 +360,20 @@ class WeightSyncMixin:
         if get_rank() != 0:
             return []
         sent = [(r, f) for r, f, _, _ in parts if f is not None]
+        why = ("plain" if names is None and not only_changed else
+               ", ".join(([f"names={sorted(names)[:8]}"] if names is not None else [])
+                         + (["only_changed"] if only_changed else [])))
+        sent_names = sorted({n for _, f in sent for n in f["names"]})
+        logger.info("weight sync %s: sent %d tensor(s) (%s): %s%s", channel, len(sent_names), why,
+                    sent_names[:20], " ..." if len(sent_names) > 20 else "")
+        if chosen is not None:
+            for uid, stale in sorted(chosen.items()):
+                logger.debug("weight sync %s: receiver %s: changed since it last got them: %s", channel, uid,
+                             sorted(stale))
         stats = SyncStats(tensors=len({n for _, f in sent for n in f["names"]}),
                           bytes=sum(f["bytes"] for _, f in sent), buckets=sum(f["buckets"] for _, f in sent),
                           seconds=max((f["seconds"] for _, f in sent), default=0.0),
+                          prepare_s=max((f.get("prepare_s", 0.0) for _, f in sent), default=0.0),
                           names=sorted({n for _, f in sent for n in f["names"]}),
                           backend=next((f["backend"] for _, f in sent), ""),
                           receivers=max((f["receivers"] for _, f in sent), default=0), lanes=len(sent),

@@ -44,8 +44,10 @@ __all__ = ["ReceiverEnd", "endpoint_of", "load_into", "refuse_receivers"]
 class _Channel:
     """One channel as a receiver holds it: the plan's part for it, and its pairs."""
 
-    def __init__(self, wants: list, pieces: dict[str, list], pairs: dict[str, Pair]):
+    def __init__(self, wants: list, pieces: dict[str, list], pairs: dict[str, Pair], taken: dict | None = None):
         self.wants, self.pieces, self.pairs = wants, pieces, pairs
+        # pair -> syncs taken whole since its sender's record started (-1: one was not; see recv)
+        self.taken: dict[str, int] = {k: v for k, v in (taken or {}).items() if k in pairs}
 
 
 class ReceiverEnd:
@@ -127,7 +129,10 @@ class ReceiverEnd:
                 pair.close(broken=True)
             raise
         self.opened += opened
-        self.channels[channel] = _Channel(mine["wants"], {k: plan["pairs"][k]["pieces"] for k in keys}, pairs)
+        kept = {} if old is None else {k: n for k, n in old.taken.items()  # pairs kept with the same pieces
+                                       if k in old.pairs and pairs.get(k) is old.pairs[k]
+                                       and old.pieces.get(k) == plan["pairs"][k]["pieces"]}
+        self.channels[channel] = _Channel(mine["wants"], {k: plan["pairs"][k]["pieces"] for k in keys}, pairs, kept)
         return opened
 
     def refuse(self, channel: str, setup: dict, message: str, keys: list[str] | None = None) -> None:
@@ -161,6 +166,7 @@ class ReceiverEnd:
         start = time.perf_counter()
         error: BaseException | None = None
         lanes = []
+        data: list[tuple[str, int, bool]] = []  # (pair, its sender's base, all its pieces?) of those that sent
         for key in sorted(ch.pairs, key=pair_order):
             pair = ch.pairs[key]
             try:
@@ -172,6 +178,15 @@ class ReceiverEnd:
             if "error" in head:
                 error = error or SourceFailed(f"weight sync: the source failed: {head['error']}")
                 continue
+            base = int(head.get("base", 0))
+            if head.get("only_changed") and base and ch.taken.get(key, 0) != base:
+                # the sender's record says this end holds what an earlier sync sent, but this end did
+                # not take that sync whole: what changed since cannot be known here. Drained, not loaded.
+                error = error or RuntimeError(
+                    f"weight sync: receiver {self.uid} (index {self.index}) did not take an earlier sync on pair "
+                    f"{key} whole, so an only_changed sync cannot know what it lacks; nothing of this sync "
+                    f"was loaded, the next sync sends everything")
+            data.append((key, base, bool(head.get("full"))))
             lanes.append((pair, ch.pieces[key], buckets(ch.pieces[key], head["pieces"], head["bucket_bytes"])))
         got = {"bytes": 0, "buckets": 0, "tensors": 0}
         stream = _assemble(ch.wants, lanes, got)
@@ -185,6 +200,10 @@ class ReceiverEnd:
                 pass
         except BaseException as e:
             error = error or e
+        for key, base, full in data:  # in step with each sender's record: its count; else -1 (a sync
+            # it recorded was not taken whole here) until a fresh record (base 0) or a full sync
+            in_step = base == 0 or full or ch.taken.get(key, 0) == base
+            ch.taken[key] = base + 1 if error is None and in_step else -1
         if error is not None:
             raise error
         return {"tensors": got["tensors"], "bytes": got["bytes"], "buckets": got["buckets"],

@@ -18,7 +18,6 @@ from typing import Any
 
 from .plan import buckets
 from .transport import (
-    PEER_WAIT_S,
     Endpoint,
     Pair,
     open_pair,
@@ -49,7 +48,12 @@ class SourceEnd:
         self.pairs: dict[str, Pair] = {}
         self.pieces: dict[str, list] = {}  # pair -> its pieces (this rank's part of the plan)
         self.receiver_of: dict[str, str] = {}  # pair -> receiver id
-        self.sent: dict[str, dict[str, Any]] = {}  # receiver id -> tensor name -> fingerprint last sent
+        # pair -> slab index -> fingerprint of what that pair's receiver last got of the slab (kept
+        # while only_changed is tracked; a pair opened, rebuilt or replanned starts empty)
+        self.sent: dict[str, dict[int, str]] = {}
+        # pair -> syncs its receiver took whole since that record started (sent in each header as
+        # 'base': a receiver whose own count differs did not take what the record says it holds)
+        self.taken: dict[str, int] = {}
         self.backend = ""
         self.opened = 0  # pairs opened over this end's life (a diagnostic: what a rejoin rebuilt)
         self.syncs = 0
@@ -61,7 +65,10 @@ class SourceEnd:
         self.backend = backend
         for key in [k for k in self.pairs if k not in mine]:
             self.pairs.pop(key).close()
-            self.sent.pop(self.receiver_of.pop(key, ""), None)
+            self.receiver_of.pop(key, None)
+        for key in list(self.sent) + list(self.taken):  # a pair gone, or with other pieces now: its
+            if key not in mine or self.pieces.get(key) != plan["pairs"][key]["pieces"]:  # record is void
+                self.forget(key)
         try:
             for i, key in enumerate(mine):
                 pair = self.pairs.get(key)
@@ -70,7 +77,7 @@ class SourceEnd:
                 if pair is not None:
                     pair.close()
                 self.pairs.pop(key, None)
-                self.sent.pop(plan["pairs"][key]["receiver"], None)
+                self.forget(key)
                 try:
                     self.pairs[key] = open_pair(self.endpoint, key, 0, backend, self.timeout_s,
                                                 plan.get("attempt", ""))
@@ -86,6 +93,15 @@ class SourceEnd:
             self.receiver_of = {k: plan["pairs"][k]["receiver"] for k in mine}
         return mine
 
+    def forget(self, key: str | None = None) -> None:
+        """Drop the record of what pair ``key``'s receiver holds (None: every pair's): it gets
+        everything asked for next."""
+        for book in (self.sent, self.taken):
+            if key is None:
+                book.clear()
+            else:
+                book.pop(key, None)
+
     def refuse(self, plan: dict, rank: int, message: str) -> None:
         """This rank failed before joining: tell the receivers waiting for its hello."""
         for key in plan["senders"].get(rank, []):
@@ -100,22 +116,40 @@ class SourceEnd:
             except Exception:  # that receiver is gone: its pair is
                 self.pairs[key].close(broken=True)
 
-    def send(self, slabs: list, names: set[str] | None, prints: dict | None, bucket_bytes: int) -> dict:
+    def stale(self, slabs: list, prints: list, names: set[str] | None) -> dict[str, set[str]]:
+        """Per receiver id: the tensors (of ``names``; None: all) of which this rank sends it pieces
+        whose slab differs from what that receiver last got (``prints``: this sync's fingerprint of
+        each slab). A pair with no record (new, rebuilt, after a failed sync) gets everything."""
+        out: dict[str, set[str]] = {}
+        for key in self.pairs:
+            last = self.sent.get(key, {})
+            mine = out.setdefault(self.receiver_of[key], set())
+            for p in self.pieces[key]:
+                name = slabs[p[1]].name
+                if (names is None or name in names) and last.get(p[1]) != prints[p[1]]:
+                    mine.add(name)
+        return out
+
+    def send(self, slabs: list, names: set[str] | None, prints: list | None, chosen: dict | None,
+             bucket_bytes: int) -> dict:
         """One sync: every pair's selected pieces. ``names``: only these tensors (None: all);
-        ``prints``: tensor -> global fingerprint, to send only what changed since each receiver's
-        last sync (None: everything). Returns this rank's figures."""
+        ``chosen``: receiver id -> the tensors to send it (only_changed; None: all of ``names``);
+        ``prints``: this sync's fingerprint of each slab (None: changes are not tracked), recorded
+        per pair for the pieces it really sent. Returns this rank's figures."""
         import torch
 
         start = time.perf_counter()
         jobs, error, posted_headers = [], None, {}
         for key in sorted(self.pairs, key=pair_order):
             pieces, uid = self.pieces[key], self.receiver_of[key]
-            last = self.sent.setdefault(uid, {})
+            want = None if chosen is None else chosen.get(uid, set())
             sel = [i for i, p in enumerate(pieces) if (names is None or slabs[p[1]].name in names)
-                   and (prints is None or last.get(slabs[p[1]].name) != prints[slabs[p[1]].name])]
+                   and (want is None or slabs[p[1]].name in want)]
             try:
                 posted_headers[key] = self.pairs[key].post_header(
-                    {"seq": self.syncs, "pieces": sel, "bucket_bytes": bucket_bytes})
+                    {"seq": self.syncs, "pieces": sel, "bucket_bytes": bucket_bytes,
+                     "base": self.taken.get(key, 0), "only_changed": chosen is not None,
+                     "full": len(sel) == len(pieces)})
             except Exception as e:  # this receiver is gone
                 error = error or peer_failed(key, e)
                 self.pairs.pop(key).close(broken=True)
@@ -125,7 +159,7 @@ class SourceEnd:
         # A receiver that failed, left or died costs only its own pairs: they are closed as broken
         # (rebuilt at the next set-up) and the sync raises once the others have had theirs (a
         # receiver that took its header waits for its buckets: leaving it would leave it stuck).
-        for key, e in wait_all(posted_headers, PEER_WAIT_S).items():
+        for key, e in wait_all(posted_headers, self.timeout_s).items():
             error = error or peer_failed(key, e)
             self.pairs.pop(key).close(broken=True)
         total, nbuckets = 0, 0
@@ -157,13 +191,15 @@ class SourceEnd:
                 error = self._wait(key, work) or error
         names_sent = set()
         for key, pieces, _, sel in jobs:
-            if key in self.pairs:
-                last = self.sent[self.receiver_of[key]]
+            if key in self.pairs:  # taken whole by its receiver's pair: what it holds now
+                self.taken[key] = self.taken.get(key, 0) + 1
+                last = self.sent.setdefault(key, {})
                 for i in sel:
-                    name = slabs[pieces[i][1]].name
-                    names_sent.add(name)
+                    names_sent.add(slabs[pieces[i][1]].name)
                     if prints is not None:
-                        last[name] = prints[name]
+                        last[pieces[i][1]] = prints[pieces[i][1]]
+            else:  # broken under this sync: its receiver may hold part of it
+                self.forget(key)
         self.syncs += 1
         if error is not None:
             raise error

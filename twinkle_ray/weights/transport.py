@@ -11,8 +11,9 @@ groups and not Ray Direct Transport: docs/decisions/weight-transport.md.
 One sync on one pair: a small JSON header (which planned pieces come, the bucket size, or an error
 the sender hit before sending), then the pieces packed into flat buckets of one dtype. Both ends
 derive the bucket layout from the header and the plan (:mod:`twinkle_ray.weights.plan`), so nothing
-else is exchanged. Every wait is bounded by the channel's timeout, except a pair's first wait of a
-sync (the other gang may still run earlier calls): ``peer_wait``; a peer's death ends it at once.
+else is exchanged. Every wait is bounded by the channel's ``timeout_s``, a pair's first wait of a
+sync too (the other gang may still run earlier calls: it has ``timeout_s`` to reach the sync); a
+peer's death ends any wait at once (its sockets close).
 
 >>> ep = Endpoint.host(timeout_s=10)          # on a trainer rank
 >>> ep.address[0]
@@ -32,15 +33,12 @@ from ..runtime.net import is_loopback, loopback_listener
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_BUCKET_MB", "DEFAULT_TIMEOUT_S", "PEER_WAIT_S", "Endpoint", "Pair", "PeerFailed",
+__all__ = ["DEFAULT_BUCKET_MB", "DEFAULT_TIMEOUT_S", "Endpoint", "Pair", "PeerFailed",
            "SetupRefused", "SourceFailed", "SyncStats", "bytes_written", "dtype_of", "node_ip", "open_pair", "peer_failed",
            "pair_order", "refuse_pair", "VLLM_NCCL", "choose_backend", "wait_all"]
 
 DEFAULT_BUCKET_MB = 32
-DEFAULT_TIMEOUT_S = 300.0
-# How long an end waits for its peer to reach a sync (its gang may still run earlier calls). Not the
-# transfer's timeout: that bounds every step after the first. A death ends this wait at once.
-PEER_WAIT_S = 24 * 3600.0
+DEFAULT_TIMEOUT_S = 300.0  # bounds every wait of a sync and of a set-up, the first one included
 
 
 class SetupRefused(RuntimeError):
@@ -190,7 +188,7 @@ class Pair:
 
         self.endpoint, self.key, self.rank, self.backend = endpoint, key, rank, backend
         self.timeout = timedelta(seconds=timeout_s)
-        self.peer_wait = timedelta(seconds=PEER_WAIT_S)
+        self.peer_wait = self.timeout  # a sync's first wait (the peer's gang may be busy): bounded alike
         self.gen = endpoint.generation(key)
         store = dist.PrefixStore(f"pair/{key}/{self.gen}/{attempt}", endpoint.store)
         if backend == "gloo":
