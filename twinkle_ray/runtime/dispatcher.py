@@ -336,7 +336,8 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.called(call.method)
         n = len(workers)
-        targets = call_targets(call.execute, call.caller, n)
+        targets = call_targets(call.execute, call.caller, n, self.spec.mesh,
+                               self.spec.group.gpus_per_worker)
         with_record = call.returns == "meta"
         submit = self._submitters(call.method, with_record, workers)
         refs, records = [], []

@@ -261,7 +261,8 @@ class GangProxy:
         splits: list = [None] * n
         # execute='peer': the caller's arguments are cut over its peer workers only (Twinkle's
         # rule: each of its items runs exactly once); every worker otherwise
-        runners = call_targets(execute, caller, n) if execute == "peer" else None
+        runners = (call_targets(execute, caller, n, g.mesh, g.gpus_per_worker)
+                   if execute == "peer" else None)
         if spec.dispatch == "balance":  # chunks handed out while the call runs (runtime.balance)
             per_worker, heads = balance.split(name, spec, g, self._execute, args, kwargs)
         elif execute == "first" or spec.dispatch == "all":
