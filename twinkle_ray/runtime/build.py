@@ -195,8 +195,9 @@ class Builder:
         newest_first = self.saves[::-1]
         if not all(isinstance(x, str) for x in newest_first[0]):
             return newest_first[0]  # held in memory: always there
-        found = await asyncio.gather(*[w.saved_found.remote([e[r] for e in newest_first])
-                                       for r, w in enumerate(workers)])
+        asks = [w.saved_found.remote([e[r] for e in newest_first]) for r, w in enumerate(workers)]
+        self._start_waits = ("the check of the saved files", dict(enumerate(asks)))
+        found = await asyncio.gather(*asks)
         i = newest_complete(found)
         # named where a complete save is (a CheckpointDir save's folder renamed to step-N)
         missing = [[saved_places(e[r])[-1] for r in range(len(workers)) if not found[r][j]]
