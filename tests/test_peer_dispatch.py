@@ -34,6 +34,10 @@ MESHES = {
     "dp_tp": lambda n: DeviceMesh.from_sizes(dp_size=n // 2, tp_size=2) if n % 2 == 0 else None,
     "fsdp_dp": lambda n: DeviceMesh.from_sizes(fsdp_size=2, dp_size=n // 2) if n % 2 == 0 else None,
     "pp_dp": lambda n: DeviceMesh.from_sizes(pp_size=2, dp_size=n // 2) if n % 2 == 0 else None,
+    "tp_only": lambda n: DeviceMesh.from_sizes(dp_size=1, tp_size=n),
+    "dp_tp4": lambda n: DeviceMesh.from_sizes(dp_size=n // 4, tp_size=4) if n % 4 == 0 else None,
+    "pp_dp_tp": lambda n: (DeviceMesh.from_sizes(pp_size=2, dp_size=n // 4, tp_size=2)
+                           if n % 4 == 0 else None),
 }
 
 
@@ -48,7 +52,7 @@ def peer_calls(draw):
     world = draw(st.integers(1, 8))
     rank = draw(st.integers(0, world - 1))
     mode = draw(st.sampled_from(["slice", "slice_dp", "all", "fn"]))
-    runners = call_targets("peer", (rank, world), n)
+    runners = call_targets("peer", (rank, world), n, mesh)
     if mode == "slice_dp":
         _, data_ranks = worker_data_ranks(n, mesh)
         parts = len({data_ranks[r] for r in runners})
@@ -117,6 +121,63 @@ def test_two_callers_into_four_workers_split_over_their_own_peers():
         runners = peer_workers(rank, 2, 4)
         per_worker = dispatch("slice", 4, (list(range(6)),), {}, runners=runners)
         assert [per_worker[r][0][0] for r in runners] == [[0, 1, 2], [3, 4, 5]]
+
+
+def _groups(n, mesh):
+    """The target's data-parallel groups: data rank -> its workers (tp/pp peers)."""
+    _, data_ranks = worker_data_ranks(n, mesh)
+    out = {}
+    for w, d in enumerate(data_ranks):
+        out.setdefault(d, []).append(w)
+    return out
+
+
+@given(st.sampled_from([4, 6, 8]), st.sampled_from(["dp_tp", "pp_dp", "tp_only", "dp_tp4",
+                                                    "pp_dp_tp"]), st.integers(1, 9),
+       st.integers(0, 6), st.sampled_from(["slice", "slice_dp", "fn"]))
+def test_peers_are_whole_data_parallel_groups(n, mesh_name, world, extra, mode):
+    """Callers whose world does not align with the target's tp/pp groups: every group of the
+    target runs all or none of each call (a tp group split over two callers hangs in its
+    collective or mixes their batches), and every caller's items run exactly once."""
+    mesh = MESHES[mesh_name](n)
+    if mesh is None:
+        return
+    groups = _groups(n, mesh)
+    used = set()
+    for rank in range(world):
+        runners = call_targets("peer", (rank, world), n, mesh)
+        assert runners == sorted(runners) and runners
+        for workers in groups.values():
+            assert set(workers) <= set(runners) or not set(workers) & set(runners), \
+                f"caller {rank}/{world}: group {workers} split, runners {runners}"
+        used.update(runners)
+        if mode == "slice_dp":
+            size = len({d for d, ws in groups.items() if set(ws) <= set(runners)}) + extra
+        else:
+            size = len(runners) + extra
+        items = list(range(size))
+        disp = _strided if mode == "fn" else mode
+        per_worker = dispatch(disp, n, (items,), {}, device_mesh=mesh, runners=runners)
+        if mode == "slice_dp":  # each group's peers get one part; the parts cover the items once
+            parts = []
+            for workers in groups.values():
+                if workers[0] in runners:
+                    got = {tuple(per_worker[w][0][0]) for w in workers}
+                    assert len(got) == 1
+                    parts.extend(got.pop())
+        else:
+            parts = [x for r in runners for x in per_worker[r][0][0]]
+        assert sorted(parts) == items
+    if world >= len(groups):  # enough callers: every group answers one of them
+        assert used == set(range(n))
+
+
+def test_three_callers_into_a_tp2_gang_of_four():
+    """The reviewer's case (caller dp=3 into dp2 x tp2): before the fix caller 1 ran on worker
+    2 alone and caller 2 on worker 3 alone, one tp group serving two callers' calls."""
+    mesh = DeviceMesh.from_sizes(dp_size=2, tp_size=2)
+    assert [call_targets("peer", (r, 3), 4, mesh) for r in range(3)] == [[0, 1], [0, 1], [2, 3]]
+    assert [call_targets("peer", (r, 3), 4) for r in range(3)] == [[0, 1], [2], [3]]  # no mesh
 
 
 def test_runners_outside_the_gang_are_refused():

@@ -162,6 +162,39 @@ def test_a_call_in_flight_during_its_callers_restart_says_so(keeper, tmp_path):
     assert keeper.slow(0.0)() == "done"
 
 
+@pytest.mark.slow  # three restarts of a one-worker gang
+def test_a_save_aborted_or_pruned_falls_back_to_the_one_before_it_then_to_the_constructor(
+        keeper, tmp_path):
+    """Guards against: after a complete save(10), an aborted save(20) (its folder deleted) left
+    the gang pointing at it: restart() failed with FileNotFoundError, every later call and
+    restart() raised GangRebuildError, and the complete save was never tried. Now: the newest
+    save still found is restored; with none left, the rebuild names the missing files and the
+    next restart() rebuilds from the constructor."""
+    from twinkle_ray.runtime.errors import GangRebuildError
+
+    ckpt = CheckpointDir(str(tmp_path / "ckpt"), keep=2)
+    keeper.save_state()  # in memory: the module's earlier saves to files are forgotten
+    keeper.set_seed(21)()
+    with ckpt.save(10) as tmp:
+        keeper.save_state(os.path.join(tmp, "keeper"))
+    keeper.set_seed(22)()
+    with pytest.raises(RuntimeError, match="aborted"), ckpt.save(20) as tmp:
+        keeper.save_state(os.path.join(tmp, "keeper"))
+        raise RuntimeError("aborted")
+    keeper.set_seed(99)()
+    keeper.restart()
+    assert keeper.check_and_touch(21)() == []  # step 10's state, the newest still found
+    pruning = CheckpointDir(str(tmp_path / "ckpt"), keep=1)
+    with pruning.save(30) as tmp:  # other data only: step 10 is pruned
+        open(os.path.join(tmp, "other.txt"), "w").close()
+    assert not os.path.exists(ckpt.path(10))
+    with pytest.raises(GangRebuildError, match=r"no saved state of gang keep/Keeper is found any "
+                                               r"more .*step-000010/keeper/rank0\.pt"):
+        keeper.restart()
+    keeper.restart()  # restartable: from the constructor
+    assert keeper.check_and_touch(0)() == []
+
+
 # ------------------------------------------------------------------------------- pure part
 _names = st.text("abcxyz0123456789_", min_size=1, max_size=6)
 
@@ -238,3 +271,75 @@ def test_a_state_from_the_object_store_is_made_the_ranks_own(state):
             leaf.zero_()
     assert _same(stored, state)
 
+
+
+class _Rank:
+    """A worker stand-in for Builder's choice of the save to restore: finds the files in
+    ``existing``."""
+
+    def __init__(self, existing: set):
+        self.existing = existing
+        self.saved_found = self
+
+    def remote(self, files):
+        async def answer():
+            return [f in self.existing for f in files]
+
+        return answer()
+
+
+def _builder(saves):
+    from types import SimpleNamespace
+
+    from twinkle_ray.runtime.build import Builder
+
+    b = Builder.__new__(Builder)
+    b.state = SimpleNamespace(spec=SimpleNamespace(label="g/K"))
+    b.saves, b.saves_lost = [], None
+    for save in saves:
+        b.keep_save(save)
+    return b
+
+
+def test_a_rebuild_restores_the_newest_save_every_rank_finds_and_says_which(caplog):
+    import asyncio
+    import logging
+
+    saves = [[f"/ck/step-{s}/rank0.pt", f"/ck/step-{s}/rank1.pt"] for s in (10, 20, 30)]
+    ranks = [_Rank({saves[0][0], saves[1][0]}), _Rank({saves[0][1]})]  # step 20: rank 1 lacks it
+    b = _builder(saves)
+    with caplog.at_level(logging.INFO, logger="twinkle_ray.runtime.build"):
+        assert asyncio.run(b._restorable(ranks)) == saves[0]
+    assert "restoring an older state, saved in /ck/step-10: the 2 newer save(s) are gone " \
+           "(/ck/step-30, /ck/step-20)" in caplog.text
+    assert b.saves == [saves[0]]  # the ones gone are not looked for again
+    caplog.clear()
+    everything = _Rank({f for save in saves for f in save})
+    b = _builder(saves)
+    with caplog.at_level(logging.INFO, logger="twinkle_ray.runtime.build"):
+        assert asyncio.run(b._restorable([everything, everything])) == saves[2]
+    assert "restoring the state saved in /ck/step-30" in caplog.text
+    ref = object()  # a save in memory: always there, nothing asked
+    assert asyncio.run(_builder([*saves, [ref, ref]])._restorable([None, None])) == [ref, ref]
+
+
+def test_a_rebuild_without_any_save_left_names_the_files_then_starts_from_the_constructor(caplog):
+    import asyncio
+    import logging
+
+    saves = [[f"/ck/step-{s}/rank0.pt"] for s in (10, 20, 30, 40)]
+    b = _builder(saves)
+    assert b.saves == saves[1:]  # the last three
+    with pytest.raises(FileNotFoundError, match=r"no saved state of gang g/K is found any more "
+                                                r".*missing /ck/step-40/rank0.pt; "
+                                                r"/ck/step-30/rank0.pt; /ck/step-20/rank0.pt\. "
+                                                r"The next restart\(\) rebuilds it from its "
+                                                r"constructor"):
+        asyncio.run(b._restorable([_Rank(set())]))
+    with caplog.at_level(logging.WARNING, logger="twinkle_ray.runtime.build"):
+        assert asyncio.run(b._restorable([_Rank(set())])) is None
+    assert "gang g/K: rebuilt from its constructor, without a saved state (none of its 3 last " \
+           "save(s) to files is found any more" in caplog.text
+    caplog.clear()
+    assert asyncio.run(b._restorable([_Rank(set())])) is None  # said once
+    assert not caplog.text

@@ -97,6 +97,11 @@ class Node:
     def p_flatten(self, *spec):
         return make(*spec, get_rank())
 
+    @remote_function(dispatch="all", collect="flatten")
+    def p_per_rank(self, kind, layouts, rows, wide):
+        """Rank r's value laid out as ``layouts[r]`` with ``rows[r]`` rows."""
+        return make(kind, layouts[get_rank()], rows[get_rank()], wide, get_rank())
+
     @remote_function(dispatch="all", collect="first")
     def p_first(self, *spec):
         return make(*spec, get_rank())
@@ -186,6 +191,25 @@ def test_a_routed_tensor_window_is_contiguous_when_the_passed_one_is(gangs, meth
     x = getattr(p, method)("tensor", "strided", 4, False)
     assert c.c_flat_view(x)() == c.c_flat_view(x())()
     assert c.c_slice_dp(x)() == c.c_slice_dp(x())()
+
+
+@pytest.mark.parametrize("kind,layouts,rows,wide", [
+    ("ndarray", ("F", "F"), (2, 2), True),  # windows aligned with the outputs
+    ("ndarray", ("F", "F"), (2, 2), False),  # (small: in the task's bytes)
+    ("ndarray", ("F", "F"), (3, 1), True),  # one window in output 0, one across both
+    ("ndarray", ("F", "C"), (3, 1), True),  # mixed: np.concatenate lays the join out C-ordered
+    ("ndarray", ("C", "F"), (1, 3), False),
+    ("dict", ("C", "F"), (1, 3), True),
+])
+def test_a_window_of_a_join_of_fortran_ordered_outputs_arrives_as_passed(gangs, kind, layouts,
+                                                                          rows, wide):
+    """Guards against: Fortran-ordered outputs joined (collect='flatten') and cut by slice_dp:
+    np.concatenate keeps their layout, so a window of the join is not contiguous and, passed,
+    arrives as a writable C-ordered copy; routed it arrived read-only (a window of one output
+    stood for it, as for C-ordered outputs)."""
+    p, c = gangs["producer"], gangs["consumer"]
+    x = p.p_per_rank(kind, list(layouts), list(rows), wide)
+    assert c.c_slice_dp(x)() == c.c_slice_dp(x())(), (layouts, rows, wide)
 
 
 # --------------------------------------------------------------------------- the oracle

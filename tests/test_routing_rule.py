@@ -272,3 +272,23 @@ def test_a_dict_subclass_keeps_its_type(mode, n):
     for index in (0, 1):
         check((outputs, mode, None, "slice_dp", 2, index, None))
 
+
+
+@pytest.mark.parametrize("orders", [("F", "F"), ("F", "C"), ("C", "F")])
+@pytest.mark.parametrize("rows", [(2, 2), (3, 1)])
+def test_a_window_of_a_join_of_fortran_ordered_arrays_is_laid_out_as_the_real_one(orders, rows):
+    """Guards against: a window of one Fortran-ordered output stood for the same window of
+    the join, made C-ordered as for a join of C-ordered outputs; np.concatenate keeps the
+    outputs' layout (C when mixed), so the real window is laid out otherwise."""
+    outputs = [np.asfortranarray(np.arange(r * 3.0).reshape(r, 3) + 10 * k) if o == "F"
+               else np.arange(r * 3.0).reshape(r, 3) + 10 * k
+               for k, (o, r) in enumerate(zip(orders, rows, strict=True))]
+    source = Source("flatten", [record_of(o) for o in outputs], workers=[0, 1])
+    whole = np.concatenate(outputs)
+    for index in range(2):
+        split = Split("slice_dp", 2, index)
+        got = Routed(source, lambda ks: [outputs[k] for k in ks]).part(split)
+        want = whole[slice(*span(len(whole), 2, index))]
+        assert got.tolist() == want.tolist()
+        assert (got.strides, got.flags.c_contiguous, got.flags.f_contiguous) == (
+            want.strides, want.flags.c_contiguous, want.flags.f_contiguous), (orders, rows, index)

@@ -376,18 +376,25 @@ def test_callable_dispatch_of_a_routed_value_sees_the_value(gangs):
 
 def test_execute_peer_from_another_gang(gangs):
     a, b = gangs
-    # worker r of gang a calls gang b with execute='peer': b's rank r answers
-    assert a.ask_peer(b)() == [0, 1, 2, 3]  # one answer each, unwrapped by collect="none"
+    # worker r of gang a (dp=4) calls gang b (dp=2 x tp=2) with execute='peer': the peers are
+    # whole data-parallel groups of b, so both tp peers of one data rank answer each caller
+    # (callers 0, 1 -> b's data rank 0 = ranks 0, 1; callers 2, 3 -> ranks 2, 3): a tp group
+    # never runs two callers' calls (before: caller r got b's rank r alone)
+    assert a.ask_peer(b)() == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert b.ask_peer(a)() == [0, 1, 2, 3]  # a has no tp: b's rank r gets a's rank r
 
 
 @pytest.mark.parametrize("mode", ["slice", "slice_dp"])
 def test_execute_peer_runs_every_item_of_its_caller(gangs, mode):
-    """A peer call cuts the caller's items over its peer workers only (here: one each), so
+    """A peer call cuts the caller's items over its peer workers only, so
     every item runs exactly once (before: cut over the whole gang, 3 of 4 items, under
     'slice', or half of them under 'slice_dp' on b's dp=2 x tp=2, were never run)."""
     a, b = gangs
     mine = [[r * 10 + k for k in range(4)] for r in range(4)]
-    assert a.ask_peer_items(b, mode)() == mine
+    # a's worker r runs on one tp group of b: 'slice' cuts its items over the group's two
+    # workers, 'slice_dp' gives both (tp peers of one data rank) all of them, and flatten keeps
+    # both peers' answers, as for a call from the driver
+    assert a.ask_peer_items(b, mode)() == (mine if mode == "slice" else [m + m for m in mine])
     assert b.ask_peer_items(a, mode)() == mine
 
 

@@ -482,6 +482,22 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _float_range_int(text: str) -> int:
+    """A JSON integer as an int; ValueError for one out of a float's range (a handler's
+    ``float(x)`` would raise OverflowError: a 500), as for ``1e999``.
+
+    >>> _float_range_int("12")
+    12
+    """
+    value = int(text)  # ValueError past 4300 digits (Python's own limit)
+    try:
+        float(value)
+    except OverflowError:
+        raise ValueError(f"the number {text[:40]}... ({len(text)} characters) is out of range "
+                         f"(a float cannot hold it)") from None
+    return value
+
+
 async def read_json(request: Any, *, max_bytes: int = MAX_BODY_BYTES,
                     max_depth: int = MAX_JSON_DEPTH, methods: Sequence[str] = ("POST",)) -> dict:
     """The JSON object in an HTTP request's body, or BadRequest (never unpickles anything).
@@ -492,8 +508,8 @@ async def read_json(request: Any, *, max_bytes: int = MAX_BODY_BYTES,
     an ``Allow`` header), a ``Content-Length`` over ``max_bytes`` (413, before
     any of the body is read; a body without one is read only up to
     ``max_bytes``), a body that is not UTF-8 JSON (``NaN``/``Infinity`` are not
-    JSON, nor a number out of a float's range such as ``1e999``; nor are integers of more
-    than 4300 digits), nested deeper than
+    JSON, nor a number out of a float's range such as ``1e999`` or a 400-digit integer),
+    nested deeper than
     ``max_depth``, or not an object (400).
     """
     method = str(getattr(request, "method", "POST")).upper()
@@ -519,10 +535,10 @@ async def read_json(request: Any, *, max_bytes: int = MAX_BODY_BYTES,
             raise BadRequest(f"request body exceeds {max_bytes} bytes", status=413)
     try:
         data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant,
-                          parse_float=_finite_float)
+                          parse_float=_finite_float, parse_int=_float_range_int)
     except RecursionError:
         raise BadRequest(f"request body is nested too deeply (more than {max_depth} levels)") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN, 1e999, a 5000-digit integer
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN, 1e999, a 400-digit integer
         raise BadRequest(f"request body is not JSON: {e}") from None
     if not isinstance(data, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(data).__name__}")

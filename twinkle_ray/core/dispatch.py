@@ -121,19 +121,30 @@ def check_collect(mode: Any) -> None:
     _check_mode('collect', mode, COLLECT_MODES, allow_callable=True)
 
 
-def call_targets(execute: str, caller: tuple[int, int] | None, n: int) -> list[int]:
+def call_targets(execute: str, caller: tuple[int, int] | None, n: int, device_mesh: Any = None,
+                 gpus_per_worker: int = 1) -> list[int]:
     """The gang ranks that run a call with this ``execute`` mode on a gang of ``n``.
 
-    ``'peer'``: the workers matching the caller's (rank, world size) when a worker of another
-    gang calls (:func:`peer_workers`); every worker otherwise.
+    ``'peer'``, when a worker of another gang calls (rank, world size ``caller``): whole
+    data-parallel groups of this gang (every worker of a data rank: its tp/pp peers run a
+    call together or not at all). :func:`peer_workers`' count rule picks the caller's data
+    ranks among the data ranks the workers cover (ascending); every worker of those data
+    ranks runs. Without a mesh every worker is its own data rank. Every worker otherwise.
 
     >>> call_targets("first", None, 4), call_targets("all", None, 2), call_targets("peer", (1, 2), 4)
     ([0], [0, 1], [2, 3])
+    >>> from twinkle_ray.core.mesh import DeviceMesh
+    >>> tp2 = DeviceMesh.from_sizes(dp_size=2, tp_size=2)  # data ranks [0, 0, 1, 1]
+    >>> [call_targets("peer", (r, 3), 4, tp2) for r in range(3)]  # 3 callers, 2 tp groups
+    [[0, 1], [0, 1], [2, 3]]
     """
     if execute == 'first':
         return [0]
     if execute == 'peer' and caller is not None:
-        return peer_workers(caller[0], caller[1], n)
+        data_ranks = _data_ranks(n, device_mesh, gpus_per_worker)
+        groups = sorted(set(data_ranks))
+        ours = {groups[j] for j in peer_workers(caller[0], caller[1], len(groups))}
+        return [w for w in range(n) if data_ranks[w] in ours]
     return list(range(n))
 
 
@@ -680,14 +691,7 @@ def worker_data_ranks(
     if mesh is None:
         return n_workers, list(range(n_workers))
     dp = int(mesh.data_world_size)
-    ranks = [worker_global_rank(i, gpus_per_worker) for i in range(n_workers)]
-    world = getattr(mesh, 'world_size', None)
-    if world is not None and ranks[-1] >= world:
-        raise ValueError(
-            f'{_where(method, group)}: worker {n_workers - 1} maps to global rank {ranks[-1]} '
-            f'(gpus_per_worker={gpus_per_worker}) but the device mesh has only {world} ranks'
-        )
-    data_ranks = [int(mesh.get_data_rank_from_global_rank(g)) for g in ranks]
+    data_ranks = _data_ranks(n_workers, mesh, gpus_per_worker, method, group)
     missing = sorted(set(range(dp)) - set(data_ranks))
     if missing:
         raise ValueError(
@@ -696,6 +700,22 @@ def worker_data_ranks(
             f"{missing} would be dropped (use dispatch='all' for a single worker)"
         )
     return dp, data_ranks
+
+
+def _data_ranks(n_workers: int, mesh: Any, gpus_per_worker: int = 1, method: str = '?',
+                group: str = '?') -> list[int]:
+    """The data rank of each worker (worker ``i`` is global rank ``i * gpus_per_worker``);
+    ValueError for a worker outside the mesh."""
+    if mesh is None:
+        return list(range(n_workers))
+    ranks = [worker_global_rank(i, gpus_per_worker) for i in range(n_workers)]
+    world = getattr(mesh, 'world_size', None)
+    if world is not None and ranks[-1] >= world:
+        raise ValueError(
+            f'{_where(method, group)}: worker {n_workers - 1} maps to global rank {ranks[-1]} '
+            f'(gpus_per_worker={gpus_per_worker}) but the device mesh has only {world} ranks'
+        )
+    return [int(mesh.get_data_rank_from_global_rank(g)) for g in ranks]
 
 
 def span(n: int, parts: int, index: int) -> tuple[int, int]:

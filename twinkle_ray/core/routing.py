@@ -101,7 +101,10 @@ def record_of(value: Any, _top: bool = True) -> tuple:
         return ("s", type(value).__name__ if type(value) in (list, tuple) else "list", len(value),
                 None)
     if isinstance(value, np.ndarray) and value.ndim >= 1:
-        return ("s", "ndarray", int(value.shape[0]), (value.dtype.str, tuple(value.shape[1:])))
+        extra = (value.dtype.str, tuple(value.shape[1:]))
+        if value.flags.f_contiguous and not value.flags.c_contiguous:
+            extra = (*extra, "F")  # it arrives Fortran-ordered (pickled as it is laid out)
+        return ("s", "ndarray", int(value.shape[0]), extra)
     if is_tensor(value) and value.dim() >= 1:
         return ("s", "tensor", int(value.shape[0]), (str(value.dtype), tuple(value.shape[1:])))
     return ("x",)
@@ -175,6 +178,11 @@ class Joined(View):
         if len(kinds) != 1:
             raise NotWindowable(f"sequences of different types joined: {sorted(map(str, kinds))}")
         kind, extra = kinds.pop()
+        if fresh and kind == "ndarray" and extra[-1] == "F":
+            # np.concatenate lays a join of Fortran-ordered arrays out as they are: a window of
+            # it is not contiguous (passed, it is pickled by value), unlike a window of one
+            # output standing for it; the real join is made (see as_concatenated)
+            raise NotWindowable("Fortran-ordered arrays joined")
         return cls(segments, kind, extra, fresh)
 
     @classmethod
@@ -409,8 +417,9 @@ def _outputs_in(node: Any, originals: dict) -> set[int]:
 def as_concatenated(value: Any) -> Any:
     """``value``, a window of one output, as the same window of a fresh concatenation of
     several outputs would be (what the real join gives, and ``concat`` of one piece does not):
-    an array a writable C-ordered copy (``np.concatenate`` of C-ordered outputs; a tensor
-    contiguous (``torch.cat``); anything else as it is.
+    an array a writable C-ordered copy (``np.concatenate`` of C-ordered outputs: a join with a
+    Fortran-ordered output, which ``np.concatenate`` lays out otherwise, is never windowed,
+    see :class:`Joined`); a tensor contiguous (``torch.cat``); anything else as it is.
 
     >>> a = np.arange(4); a.flags.writeable = False
     >>> as_concatenated(a[1:3]).flags.writeable

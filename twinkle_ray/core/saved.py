@@ -13,7 +13,12 @@ import os
 import re
 from typing import Any
 
-__all__ = ["TMP_PREFIX", "find_saved", "own_state", "saved_places"]
+__all__ = ["SAVES_KEPT", "TMP_PREFIX", "find_saved", "kept_saves", "newest_complete",
+           "own_state", "saved_exists", "saved_places"]
+
+# How many of a gang's saves to files a rebuild may fall back on (newest first): a save
+# aborted or pruned since (a CheckpointDir's ``keep``) leaves the one before it.
+SAVES_KEPT = 3
 
 # A CheckpointDir save writes into ``root/.tmp-step-<step:06d>-<pid>-<n>/`` and renames it to
 # ``root/step-<step:06d>/`` when it ends.
@@ -71,3 +76,47 @@ def find_saved(path: str) -> str:
         if os.path.exists(place):
             return place
     raise FileNotFoundError(f"saved state not found: looked at {', '.join(places)}")
+
+
+def saved_exists(path: str) -> bool:
+    """Whether a file saved at ``path`` is still found at one of :func:`saved_places`.
+
+    >>> saved_exists("/nowhere/.tmp-step-000003-1-x/rank0.pt")
+    False
+    """
+    return any(os.path.exists(place) for place in saved_places(path))
+
+
+def kept_saves(history: list[list], save: list, keep: int = SAVES_KEPT) -> list[list]:
+    """A gang's save history (oldest first) after ``save`` (one entry per rank: its file, or
+    a state held in memory). Saves to files keep the ``keep`` newest; a save in memory is
+    always there to restore, so nothing older is kept with it (nor is it kept once a newer
+    save is made: it holds a whole state).
+
+    >>> kept_saves([["a/rank0.pt"], ["b/rank0.pt"], ["c/rank0.pt"]], ["d/rank0.pt"])
+    [['b/rank0.pt'], ['c/rank0.pt'], ['d/rank0.pt']]
+    >>> ref = object()  # a state in memory (an ObjectRef)
+    >>> kept_saves([["a/rank0.pt"]], [ref]) == [[ref]]
+    True
+    """
+    if not all(isinstance(x, str) for x in save):
+        return [list(save)]
+    files = [entry for entry in history if all(isinstance(x, str) for x in entry)]
+    return [*files, list(save)][-keep:]
+
+
+def newest_complete(found: list[list[bool]]) -> int | None:
+    """Given ``found[r][i]`` (whether rank ``r`` finds its file of save ``i``; saves newest
+    first), the first save every rank finds; None when there is none.
+
+    >>> newest_complete([[False, True], [True, True]])
+    1
+    >>> newest_complete([[False], [True]]) is None
+    True
+    """
+    if not found:
+        return None
+    for i in range(len(found[0])):
+        if all(rank[i] for rank in found):
+            return i
+    return None

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 import ray
 
+from ..core.saved import kept_saves, newest_complete, saved_places
 from .aio import RankFailed, all_or_first_error, quiet
 from .errors import cause_text, portable
 from .health import PROGRESS_QUERY_S, DeathRecord, Health
@@ -59,7 +61,10 @@ class Builder:
         spec = state.spec
         # per bundle: this gang takes its devices (rank order may change when bundles move)
         self._owns = {s.bundle_index: o for s, o in zip(spec.slots, spec.owns, strict=True)}
-        self.saved: list | None = None  # per rank: last saved state (ObjectRef) or its file
+        # the gang's saves, oldest first (core.saved.kept_saves): per rank, a state held in
+        # memory (ObjectRef) or its file; a rebuild restores the newest that still exists
+        self.saves: list[list] = []
+        self.saves_lost: str | None = None  # why the saves were forgotten (said at next start)
         # what a start under way waits for: (what, rank -> its ref), named if it is too late
         self._start_waits: tuple[str, dict[int, Any]] | None = None
 
@@ -141,8 +146,9 @@ class Builder:
             for r, (actor_id, node_id, node_ip) in zip(st.ranks, ids, strict=True):
                 r.actor_id, r.node_id, r.node_ip = actor_id, node_id, node_ip
                 st.table[actor_id] = r.row
-            if self.saved is not None:  # a rebuild: every rank gets its last saved state back
-                loads = [w.load_state.remote(s) for w, s in zip(workers, self.saved, strict=True)]
+            saved = await self._restorable(workers)
+            if saved is not None:  # a rebuild: every rank gets its last saved state back
+                loads = [w.load_state.remote(s) for w, s in zip(workers, saved, strict=True)]
                 self._start_waits = ("load_state_dict", dict(enumerate(loads)))
                 await all_or_first_error(loads)
         except Exception as e:
@@ -162,6 +168,60 @@ class Builder:
             r.pid = pid
         self.deaths.revived()
         self.health.watch(gen, list(workers))
+
+    @property
+    def saved(self) -> list | None:
+        """The newest save (per rank), None without any."""
+        return self.saves[-1] if self.saves else None
+
+    def keep_save(self, save: list) -> None:
+        """A save made (per rank: its state's ref or its file)."""
+        self.saves = kept_saves(self.saves, save)
+        self.saves_lost = None
+
+    async def _restorable(self, workers: list) -> list | None:
+        """The newest save every rank still finds (a save to files may have been aborted or
+        pruned since: an older one is restored, and said so); None without any save (a
+        constructor's state, said so when saves were forgotten). FileNotFoundError naming
+        the files missing when none is found: the saves are forgotten, so the next build
+        starts from the constructor."""
+        label = self.state.spec.label
+        if not self.saves:
+            if self.saves_lost is not None:
+                logger.warning("gang %s: rebuilt from its constructor, without a saved state "
+                               "(%s)", label, self.saves_lost)
+                self.saves_lost = None
+            return None
+        newest_first = self.saves[::-1]
+        if not all(isinstance(x, str) for x in newest_first[0]):
+            return newest_first[0]  # held in memory: always there
+        asks = [w.saved_found.remote([e[r] for e in newest_first]) for r, w in enumerate(workers)]
+        self._start_waits = ("the check of the saved files", dict(enumerate(asks)))
+        found = await asyncio.gather(*asks)
+        i = newest_complete(found)
+        # named where a complete save is (a CheckpointDir save's folder renamed to step-N)
+        missing = [[saved_places(e[r])[-1] for r in range(len(workers)) if not found[r][j]]
+                   for j, e in enumerate(newest_first)]
+        if i is None:
+            looked = "; ".join(f"{m[0]}" + (f" (and {len(m) - 1} more)" if len(m) > 1 else "")
+                               for m in missing)
+            self.saves, self.saves_lost = [], (
+                f"none of its {len(newest_first)} last save(s) to files is found any more: "
+                f"missing {looked}")
+            raise FileNotFoundError(
+                f"no saved state of gang {label} is found any more (aborted or pruned since it "
+                f"was saved): missing {looked}. The next restart() rebuilds it from its "
+                f"constructor")
+        where = os.path.dirname(saved_places(newest_first[i][0])[-1])
+        if i == 0:
+            logger.info("gang %s: restoring the state saved in %s", label, where)
+        else:
+            gone = ", ".join(os.path.dirname(m[0]) for m in missing[:i])
+            logger.warning("gang %s: restoring an older state, saved in %s: the %d newer "
+                           "save(s) are gone (%s)", label, where, i, gone)
+        if i:  # the ones that are gone are never looked for again
+            self.saves = self.saves[:len(self.saves) - i]
+        return newest_first[i]
 
     async def kill(self, graceful: bool = False) -> None:
         """Kill the current workers (``graceful``: let them leave torch.distributed first)."""

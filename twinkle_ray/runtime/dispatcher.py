@@ -163,12 +163,16 @@ class Dispatcher:
                 await all_or_first_error([ok for _, ok in outs])  # tiny flags; states stay put
             except RankFailed as failed:  # the rank's own error (its note names the rank)
                 raise failed.error from None
-        self.builder.saved = [state for state, _ in outs]
+        # a save to files is kept by its file names (a rebuild asks the ranks which still exist)
+        self.builder.keep_save([state for state, _ in outs] if path is None else
+                               [os.path.join(path, f"rank{r}.pt") for r in range(len(outs))])
         return len(outs)
 
-    def keep_saved(self, saved: list) -> None:
-        """Take per-rank saved states (files) to restore at start (a rebuilt dispatcher)."""
-        self.builder.saved = list(saved)
+    def keep_saved(self, saves: list[list]) -> None:
+        """Take the gang's last saves to files (oldest first, per rank) to restore at start (a
+        rebuilt dispatcher): the newest that still exists is restored."""
+        for save in saves:
+            self.builder.keep_save(list(save))
 
     # -- health queries ------------------------------------------------------------------------
     async def death(self, wait_s: float = 2.0) -> WorkerDiedError | None:
@@ -336,7 +340,8 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.called(call.method)
         n = len(workers)
-        targets = call_targets(call.execute, call.caller, n)
+        targets = call_targets(call.execute, call.caller, n, self.spec.mesh,
+                               self.spec.group.gpus_per_worker)
         with_record = call.returns == "meta"
         submit = self._submitters(call.method, with_record, workers)
         refs, records = [], []

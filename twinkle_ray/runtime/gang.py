@@ -154,10 +154,11 @@ def new_dispatcher(spec: GangSpec):
     ).remote(spec)
 
 
-def respawn(spec: GangSpec, timeout_s: float | None, saved: list | None,
+def respawn(spec: GangSpec, timeout_s: float | None, saved: list[list] | None,
             budget: RebuildLedger) -> tuple:
     """Rebuild a gang whose dispatcher died: a new dispatcher under the same name, a fresh
-    gang, and each rank's ``saved`` state (files of ``save_state(path=...)``) restored. The
+    gang, and each rank's ``saved`` state restored (``saved``: the files of the last
+    ``save_state(path=...)`` calls, oldest first; the newest still found is restored). The
     new dispatcher rebuilds dead workers within the gang's one restart budget: ``budget``'s
     limits and its history (this respawn included).
     Returns (the new dispatcher, its describe()).

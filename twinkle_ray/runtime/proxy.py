@@ -32,6 +32,7 @@ from ..core.dispatch import call_targets, slice_length, worker_splits
 from ..core.dispatch import dispatch as split_args
 from ..core.functions import DEFAULT_FUNCTION, RemoteFunction
 from ..core.platform import Platform
+from ..core.saved import kept_saves
 from . import balance
 from .diagnose import Caller, GangRef, fetch
 from .errors import WorkerDiedError
@@ -113,7 +114,9 @@ class GangProxy:
         # How this (the creator's) proxy would respawn: armed by a restart policy that allows
         # rebuilds (the class's max_restarts, or set_restart_policy later); never pickled.
         self._respawner: Callable[..., tuple] | None = None
-        self._saved_files: list | None = None  # files of the last save_state(path=...)
+        # the files of the last saves (save_state(path=...)), oldest first; None: the last
+        # save was in memory (it dies with the dispatcher)
+        self._saved_files: list[list[str]] | None = None
 
     # -- lookup --------------------------------------------------------------------------------
     @classmethod
@@ -261,7 +264,8 @@ class GangProxy:
         splits: list = [None] * n
         # execute='peer': the caller's arguments are cut over its peer workers only (Twinkle's
         # rule: each of its items runs exactly once); every worker otherwise
-        runners = call_targets(execute, caller, n) if execute == "peer" else None
+        runners = (call_targets(execute, caller, n, g.mesh, g.gpus_per_worker)
+                   if execute == "peer" else None)
         if spec.dispatch == "balance":  # chunks handed out while the call runs (runtime.balance)
             per_worker, heads = balance.split(name, spec, g, self._execute, args, kwargs)
         elif execute == "first" or spec.dispatch == "all":
@@ -351,7 +355,10 @@ class GangProxy:
         new rank's ``load_state_dict(state)`` runs before any other call, with a state of its
         own (writable, independent of the saved copy). Files saved inside a
         :class:`~twinkle_ray.checkpoint.CheckpointDir` save are found after it renames its
-        temporary folder to ``step-N`` (``twinkle_ray.core.saved.saved_places``).
+        temporary folder to ``step-N`` (``twinkle_ray.core.saved.saved_places``). The last
+        3 saves to files are remembered: a rebuild restores the newest every rank still
+        finds (one aborted or pruned since is passed over, with a warning); with none left it
+        fails naming the missing files, and the next ``restart()`` starts from the constructor.
 
         Example::
 
@@ -370,8 +377,10 @@ class GangProxy:
         n = fetch([ref], [0], g, "save_state", timeout, caller=self._hooks)[0]
         previous.replied_now()
         # States saved in memory are owned by the dispatcher and die with it; files do not.
-        self._saved_files = None if path is None else [os.path.join(path, f"rank{r}.pt")
-                                                       for r in range(n)]
+        # A few saves are kept: a rebuild restores the newest still found (one aborted or
+        # pruned since leaves the one before it).
+        self._saved_files = None if path is None else kept_saves(
+            self._saved_files or [], [os.path.join(path, f"rank{r}.pt") for r in range(n)])
 
     def _rebuild_dispatcher(self) -> None:
         """The gang's dispatcher died: with ``max_restarts`` (and this proxy its creator's), a

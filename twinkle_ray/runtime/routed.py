@@ -283,7 +283,8 @@ def _same_tensor(t: Any) -> Any:
 
 def as_concatenated(value: Any) -> Any:
     """A window of one output standing for the same window of a fresh concatenation (the real
-    join's new array: C-ordered, writable), as :func:`as_passed` then treats it: an array
+    join's new array: C-ordered, writable; a join with a Fortran-ordered output is never
+    windowed, :class:`~twinkle_ray.core.routing.Joined`), as :func:`as_passed` then treats it: an array
     copied only when passing would not give a read-only zero-copy view anyway; a tensor
     made contiguous."""
     if isinstance(value, np.ndarray):

@@ -341,6 +341,12 @@ class GangWorker:
         os.replace(file + ".tmp", file)  # a half-written file never replaces a good one
         return file, True
 
+    def saved_found(self, files: list[str]) -> list[bool]:
+        """Whether each of ``files`` (this rank's, of its gang's last saves) is still found."""
+        from ..core.saved import saved_exists
+
+        return [saved_exists(f) for f in files]
+
     def load_state(self, state: Any) -> None:
         """Give the instance a saved state (or the file ``save_state`` wrote it to)."""
         fn = getattr(self.instance, "load_state_dict", None)
