@@ -168,6 +168,18 @@ def test_fingerprint_sees_moved_blocks_and_single_flips_in_every_dtype():
     assert fingerprint(torch.zeros(0)) != fingerprint(torch.zeros(0, dtype=torch.int8))
 
 
+def test_fingerprint_reads_conjugate_and_negative_views():
+    """Defect: a conjugate view (``z.conj()``) or a negative view raised RuntimeError when its bytes
+    were read; the fingerprint is that of the values the view shows."""
+    z = torch.complex(torch.arange(6.0), torch.arange(6.0) + 1)
+    assert z.conj().is_conj()
+    assert fingerprint(z.conj()) == fingerprint(z.conj().resolve_conj())
+    assert fingerprint(z.conj()) != fingerprint(z)
+    neg = z.conj().imag  # a negative view of z's imaginary parts
+    assert neg.is_neg()
+    assert fingerprint(neg) == fingerprint(neg.resolve_neg())
+
+
 # ------------------------------------------------------------------------------ bad input
 def _refused(fn, match: str) -> float:
     start = time.monotonic()

@@ -31,7 +31,7 @@ def fingerprint(tensor: Any) -> str:
     h.update(f"{x.dtype}|{tuple(x.shape)}|".encode())
     if x.numel() == 0:
         return h.hexdigest()
-    flat = x.contiguous().reshape(-1)
+    flat = x.resolve_conj().resolve_neg().contiguous().reshape(-1)  # a conj/neg view: its values
     raw = flat.view(torch.uint8) if flat.dtype != torch.bool else flat.to(torch.uint8)
     if raw.device.type == "cpu":
         h.update(memoryview(raw.numpy()))  # the bytes in place (hashlib drops the GIL for big buffers)
