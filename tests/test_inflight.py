@@ -127,6 +127,16 @@ class Engine:
     def sliced(self, xs: list) -> list:
         return xs
 
+    @remote_function(dispatch="balance", collect="flatten", chunk_size=1)
+    def plain_held(self, xs: list, marks: str, hold: int) -> list:
+        """A plain method: item ``hold`` writes the marker 'reached' and waits for 'go'."""
+        if xs[0] == hold:
+            open(os.path.join(marks, "reached"), "w").close()
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.path.join(marks, "go")) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return xs
+
     @remote_function(dispatch="all", collect="none")
     def peak_and_reset(self) -> int:
         peak, self.peak = self.peak, 0
@@ -278,6 +288,24 @@ def test_the_dispatcher_keeps_no_chunk_table_after_streamed_calls(engines):
     label = engines.topology()["label"]
     stats = ray.get(ray.get_actor(label, namespace=ray.get_runtime_context().namespace).stats.remote())
     assert stats["balanced_calls"] == 0
+
+
+def test_a_plain_balanced_call_keeps_no_answers_while_it_runs(engines, tmp_path):
+    """Defect: a plain method's asks (``next_chunk``) did not say the group's peers, so the
+    dispatcher kept every answer for the call's life (memory growing with its chunks)."""
+    import ray
+
+    n = 40
+    lazy = engines.plain_held(list(range(n)), str(tmp_path), n - 1)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "reached").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (tmp_path / "reached").exists()  # chunk n - 1, the last, is handed out and running
+    label = engines.topology()["label"]
+    stats = ray.get(ray.get_actor(label, namespace=ray.get_runtime_context().namespace).stats.remote())
+    (tmp_path / "go").touch()
+    assert lazy.get() == list(range(n))
+    assert stats["balanced_calls"] == 1 and stats["balanced_answers"] == 0
 
 
 # ---------------------------------------------------------------------------- own gangs

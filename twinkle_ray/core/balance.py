@@ -230,6 +230,11 @@ class ChunkTable:
     def __len__(self) -> int:
         return len(self.calls)
 
+    @property
+    def answers(self) -> int:
+        """The answers kept for peers yet to read them, over every call in flight."""
+        return sum(len(a.given) for a in self.calls.values())
+
     def ask(self, seq: int, group: int, k: int, n_chunks: int, n_workers: int,
             peers: int = 0) -> int | None:
         if seq in self.ended:

@@ -218,11 +218,12 @@ class Loop:
     def ask(self, k: int) -> Any:
         """The ref of the dispatcher's answer to this group's k-th ask (a chunk, or None). Each
         of a worker's ``in_flight`` asking loops stops at its first None, so the call's table
-        entry ends once every worker has been told None that many times."""
+        entry ends once every worker has been told None that many times. The group's peer
+        count goes with it, so an answer is dropped once every peer has read it."""
         info = self.worker.info
         return info.dispatcher.next_chunk.remote(
             info.generation, self.task.seq, self.head.group, k, len(self.bounds),
-            info.world_size * max(1, self.head.in_flight))
+            info.world_size * max(1, self.head.in_flight), self.head.peers)
 
     def ask_many(self, ks: list[int]) -> Any:
         """The ref of the dispatcher's answers to this group's asks ``ks`` (one request)."""

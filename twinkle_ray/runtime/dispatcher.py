@@ -362,12 +362,13 @@ class Dispatcher:
                      stream=(self.seq, self.state.generation) if balanced else None)
 
     async def next_chunk(self, gen: int, seq: int, group: int, k: int, n_chunks: int,
-                         n_workers: int) -> int | None:
+                         n_workers: int, peers: int = 0) -> int | None:
         """dispatch='balance': the chunk data-parallel group ``group`` runs as its k-th in
-        call ``seq`` (None: no more). Never waits (see runtime.balance)."""
+        call ``seq`` (None: no more). Never waits (see runtime.balance). ``peers``: the
+        workers per group (answers are kept only until each has read them)."""
         if gen != self.state.generation:
             return None
-        return self.state.chunks.ask(seq, group, k, n_chunks, n_workers)
+        return self.state.chunks.ask(seq, group, k, n_chunks, n_workers, peers)
 
     async def next_chunks(self, gen: int, seq: int, group: int, ks: list[int], n_chunks: int,
                           n_workers: int, peers: int = 0) -> list[int | None]:
@@ -428,6 +429,7 @@ class Dispatcher:
             "producers": len(routes.producers) if routes is not None else 0,
             "bound_submitters": len(self._bound),
             "balanced_calls": len(self.state.chunks),  # balanced calls handing out chunks now
+            "balanced_answers": self.state.chunks.answers,  # their answers kept for peers
         }
 
 
