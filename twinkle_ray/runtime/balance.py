@@ -102,8 +102,9 @@ class Chunks:
 def split(name: str, spec: RemoteFunction, gang: GangRef, execute: str, args: tuple,
           kwargs: dict) -> tuple[list[tuple[tuple, dict]], list[BalanceHead]]:
     """(each worker's (args, kwargs), each worker's head) of a balanced call, made by the
-    caller (see step 1). ValueError for a gang whose class runs on its first worker only, and
-    for list arguments of different lengths."""
+    caller (see step 1). ValueError for a gang whose class runs on its first worker only, for
+    ``in_flight`` above 1 on a gang with tp/pp peers, and for list arguments of different
+    lengths."""
     where = f"{gang.cls_name}.{name}()"
     if execute != "all":
         raise ValueError(f"{where} on group '{gang.group}': dispatch='balance' with "
@@ -111,6 +112,13 @@ def split(name: str, spec: RemoteFunction, gang: GangRef, execute: str, args: tu
                          f"balanced call runs on every data-parallel group")
     groups, data_ranks = worker_data_ranks(gang.n_workers, gang.mesh, gang.gpus_per_worker, name,
                                            gang.group)
+    peers = max(data_ranks.count(d) for d in set(data_ranks))
+    if spec.in_flight > 1 and peers > 1:
+        raise ValueError(f"{where} on group '{gang.group}': in_flight={spec.in_flight} with "
+                         f"{peers} workers per data-parallel group (tp/pp peers) is refused: "
+                         f"each peer would start its chunks in its own order and their "
+                         f"collectives would mismatch; use in_flight=1, or one worker per data "
+                         f"rank (a tp engine is one worker with gpus_per_worker)")
     lazy = tuple(p for p, v in [*enumerate(args), *kwargs.items()] if isinstance(v, Routable))
     has_list = any(isinstance(v, list) for v in [*args, *kwargs.values()])
     if has_list or not lazy:
