@@ -233,6 +233,64 @@ def test_a_name_unknown_to_a_fresh_channel_is_refused_before_sending(gangs):
         ws.close()
 
 
+def _open_channels(gang, role: str) -> set[str]:
+    """The channels ``gang``'s ranks hold (``role``: 'sources' on a trainer, 'receivers' on a sampler)."""
+    return {c for d in gang.weight_sync_channels()() for c in d.get(role, {})}  # one dict per rank
+
+
+@pytest.mark.slow  # the module's gangs start in ~30 s under load
+def test_syncs_through_freshly_looked_up_handles_reuse_one_channel(gangs):
+    """Defect: gangs were matched by object (``is``), targets by name. A trainer handle found anew
+    each step missed the registry (a new channel per sync, the old never closed); a sampler handle
+    found anew made the channel drop the sampler and re-add it: it left its pairs unbroken, the
+    trainer kept them as healthy and the receiver waited its whole timeout_s for a hello."""
+    import ray
+
+    from twinkle_ray.runtime.proxy import GangProxy
+
+    trainer, a, _ = gangs
+    ns = ray.get_runtime_context().namespace
+    opened = None  # the sampler's pairs opened over its life: none after the first sync
+    for step in range(3):
+        trainer.change("a", 300 + step)()
+        t, s = GangProxy.lookup(trainer.label, ns), GangProxy.lookup(a.label, ns)
+        assert t is not trainer and s is not a
+        start = time.monotonic()
+        sync_weights(t, s, timeout_s=30)
+        print(f"sync {step} through fresh handles: {time.monotonic() - start:.2f} s")
+        assert_exact(a, truth(trainer), what=f"sync {step}")
+        assert len(_open_channels(trainer, "sources")) == 1, step
+        assert len(_open_channels(a, "receivers")) == 1, step
+        now = [d["opened"] for d in a.weight_sync_channels()() for d in d["receivers"].values()]
+        assert opened is None or now == opened, (step, opened, now)  # no pair rebuilt
+        opened = now
+    for step in range(2):  # the trainer's own handle, the sampler found anew
+        trainer.change("b", 310 + step)()
+        sync_weights(trainer, GangProxy.lookup(a.label, ns), timeout_s=30)
+        assert_exact(a, truth(trainer), what=f"own trainer handle, sync {step}")
+        assert len(_open_channels(trainer, "sources")) == 1, step
+
+
+@pytest.mark.slow  # the module's gangs start in ~30 s under load
+def test_a_sampler_that_leaves_and_comes_back_before_a_set_up_is_rebuilt_on_both_ends(gangs):
+    """Defect: a receiver leaving the channel closed its pairs unbroken; back before the next set-up,
+    the trainer still held its pairs as healthy and skipped the hello, and the receiver waited its
+    whole timeout_s for one. Leaving marks them broken: both ends rebuild."""
+    trainer, a, b = gangs
+    ws = WeightSync(trainer, a, timeout_s=30)
+    try:
+        ws.sync()
+        ws.retarget([b])
+        ws.retarget([a, b])
+        trainer.change("a", 320)()
+        ws.sync()
+        want = truth(trainer)
+        assert_exact(a, want)
+        assert_exact(b, want)
+    finally:
+        ws.close()
+
+
 # ------------------------------------------------------------------------------ bookkeeping
 @pytest.mark.slow  # the module's gangs start in ~30 s under load
 def test_names_marks_only_what_it_sent(gangs):

@@ -218,9 +218,11 @@ class WeightSync:
         the next sync. The trainer's endpoints and the remaining samplers' pairs are kept."""
         targets = list(targets)
         check_targets(self.source, targets)
-        gone = [g for g in self.targets if all(g is not t for t in targets)]
-        new = [t for t in targets if all(t is not g for g in self.targets)]
-        self._leave(gone)
+        keep = {_identity(t) for t in targets}  # a gang by its name: any handle of it is the same gang
+        had = {_identity(g) for g in self.targets}
+        gone = [g for g in self.targets if _identity(g) not in keep]
+        new = [t for t in targets if _identity(t) not in had]
+        self._leave(gone, broken=True)
         self.targets = targets
         if new:
             self._watch(*new)
@@ -262,13 +264,17 @@ class WeightSync:
         return out
 
     # -- closing --------------------------------------------------------------------------------
-    def _leave(self, gangs: list) -> None:
+    def _leave(self, gangs: list, broken: bool = False) -> None:
+        """Each of ``gangs`` leaves the channel (bounded, best effort). ``broken``: receivers leaving a
+        channel that goes on mark their pairs broken, so the trainer's ends rebuild them too if they
+        come back (an unbroken pair left by one end only would look healthy to the other)."""
         from ..runtime.session import get
 
         calls = []
         for g in gangs:
             try:
-                calls.append(g.weight_sync_close(self.channel))
+                calls.append(g.weight_sync_close(self.channel, None, broken) if broken
+                             else g.weight_sync_close(self.channel))
             except Exception:  # closed or dead: nothing to leave
                 logger.debug("weight sync %s: close on %r failed", self.channel, g, exc_info=True)
         deadline = time.monotonic() + CLOSE_WAIT_S
@@ -320,7 +326,8 @@ class Registry:
 
     def find(self, trainer: Any) -> WeightSync | None:
         self.entries = [ws for ws in self.entries if not ws.closed]
-        return next((ws for ws in self.entries if ws.source is trainer), None)
+        me = _identity(trainer)  # any handle of the gang (one found by name, a pickled copy)
+        return next((ws for ws in self.entries if _identity(ws.source) == me), None)
 
     def close(self) -> None:
         for ws in self.entries:
@@ -356,7 +363,9 @@ def sync_weights(
     """Send the trainer's weights to every sampler: each trainer rank sends the rows it holds that
     each receiver keeps (see :mod:`twinkle_ray.weights`); returns the trainer's merged stats.
 
-    The channel of a trainer is set up on the first call and reused. Other samplers than last time
+    The channel of a trainer is set up on the first call and reused. Gangs are matched by name
+    (``'group/Class'``): a handle found anew each step (``GangProxy.lookup``) is the same gang and
+    reuses the same channel and pairs. Other samplers than last time
     (one added, one replaced) join at this sync, the others keep their pairs; other ``timeout_s``,
     ``bucket_mb`` or ``backend`` closes the old channel and opens a new one. ``wait=False`` returns
     a :class:`SyncHandle` at once: the sync takes its place in both gangs' call order.
@@ -377,6 +386,6 @@ def sync_weights(
     if ws is None:
         ws = WeightSync(trainer, samplers, timeout_s=timeout_s, bucket_mb=bucket_mb, backend=backend)
         reg.entries.append(ws)
-    elif [id(s) for s in ws.targets] != [id(s) for s in samplers]:
+    elif [_identity(s) for s in ws.targets] != [_identity(s) for s in samplers]:
         ws.retarget(samplers)
     return ws.sync(names=names, only_changed=only_changed, wait=wait)

@@ -410,8 +410,10 @@ class WeightSyncMixin:
         return list(self.weight_sync_fanout("ready", channel))
 
     @remote_function(dispatch="all")
-    def weight_sync_close(self, channel: str, role: str | None = None) -> None:
-        """Leave ``channel``: close this worker's pairs and endpoint (``role`` None: whatever it holds)."""
+    def weight_sync_close(self, channel: str, role: str | None = None, broken: bool = False) -> None:
+        """Leave ``channel``: close this worker's pairs and endpoint (``role`` None: whatever it holds).
+        ``broken``: a receiver leaving a channel that goes on marks its pairs broken, so the senders
+        rebuild them (not keep them as healthy) if it joins again."""
         state = self._ws_state()
         if role in (None, "source"):
             end = state["sources"].pop(channel, None)
@@ -420,7 +422,7 @@ class WeightSyncMixin:
             state["plans"].pop(channel, None)
             state["tracking"].discard(channel)
         if role == "target" or (role is None and "_twinkle_receiver" in self.__dict__):
-            self.weight_sync_fanout("close", channel)
+            self.weight_sync_fanout("close", channel, broken)
 
     @remote_function(dispatch="all", collect="flatten")
     def weight_sync_channels(self) -> list[dict]:
