@@ -51,6 +51,7 @@ def run(argv: list[str] | None = None) -> dict:
                         "starting with {)")
     args = p.parse_args(argv)
     mb, repeats = (32, 3) if args.quick else (256, 9)
+    load_start = os.getloadavg()[0]
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
@@ -156,6 +157,11 @@ def run(argv: list[str] | None = None) -> dict:
             target=f"<= {TARGET_VS_FLOOR}x the transfer floor",
             checks=[["floor_ratio", "<=", TARGET_VS_FLOOR]])
         row["target_met"] = floor_ratio <= TARGET_VS_FLOOR
+        from bench.run import _commit
+
+        # what the report's run table shows: the command, the commit, the load at start and end
+        row["command"] = "python -m bench.flow2node" + (" --quick" if args.quick else "")
+        row["commit"] = _commit()
         raw_p.close()
         raw_c.close()
         for pg in pgs:
@@ -166,6 +172,7 @@ def run(argv: list[str] | None = None) -> dict:
         cluster.shutdown()
         payload.clear(trace_dir)
         os.rmdir(trace_dir)
+    row["load_avg"] = [load_start, os.getloadavg()[0]]
     text = "\n".join([
         f"{row['name']} (medians of {repeats} rounds, balanced orders)",
         f"  transfer floor {row['floor_s']:7.3f} s  Ray alone, node A -> node B: "

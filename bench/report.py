@@ -13,9 +13,9 @@ starts with ``{`` is read, so a captured stdout with Ray's warnings in it works 
 
 - ``python -m bench`` (``{"mode", "command", "commit", "load_avg", "results": [...]}``);
 - ``python -m bench.peer_twinkle_kit`` (``{"info", "rows"}``: the peer side by side);
-- ``python -m bench.flow2node`` or ``python -m bench.weight_sync`` (one row, ``{"name": ...}``).
+- ``python -m bench.flow2node`` (one row, ``{"name": ...}``).
 
-A row's area comes from its name's first word (``B1``..``B11``, ``F1``, ``W1``, ``W2``; the peer's
+A row's area comes from its name's first word (``B1``..``B11``, ``F1``, ``W2``; the peer's
 rows are their own area). An area with no row in the sources says so and names the command that
 measures it. Rows of several runs of the same benchmark are all shown, each with its own run's
 commit and load.
@@ -42,7 +42,7 @@ AREAS: list[tuple[str, tuple[str, ...], str, str]] = [
      "the zero-overhead pull and the batch-synchronous loop"),
     ("Overlap", ("B9",), "python -m bench --only B9",
      "generation of step k+1 overlapping training of step k (sync_weights(wait=False))"),
-    ("Weight sync", ("W1", "W2"), "python -m bench --only W1; python -m bench --only W2",
+    ("Weight sync", ("W2",), "python -m bench --only W2",
      "trainer to sampler weights: bytes per process and wall time"),
     ("Peer side by side", ("PEER",),
      "python -m bench.peer_twinkle_kit --only startup,call,flow --workers 4,24 (in a venv with twinkle-kit)",
@@ -79,9 +79,9 @@ def rows_of(doc: dict, source: str = "") -> list[dict]:
                "commit": info.get("commit"), "load": load_, "source": source,
                "mode": "quick" if info.get("quick") else None}
         return [{**row, "_run": run, "_key": "PEER"} for row in doc["rows"]]
-    if "name" in doc:  # one row: python -m bench.flow2node / bench.weight_sync
+    if "name" in doc:  # one row: python -m bench.flow2node
         key = _key(doc)
-        command = {"F1": "python -m bench.flow2node", "W1": "python -m bench.weight_sync"}.get(
+        command = {"F1": "python -m bench.flow2node"}.get(
             key, doc.get("command", f"python -m bench --only {key}"))
         run = {"command": doc.get("command", command), "commit": doc.get("commit"),
                "load": doc.get("load_avg"), "source": source}
@@ -140,8 +140,8 @@ def figure(row: dict) -> str:
         parts.append(f"throughput {row['throughput_ratio']:.2f}x raw")
     elif "ratio" in row:
         against = "ideal" if row["_key"] == "B9" else "raw"
-        if row["_key"] in ("W1", "W2"):
-            against = "the rank-0 path" if row["_key"] == "W1" else "its baseline"
+        if row["_key"] == "W2":
+            against = "its baseline"
         parts.append(f"{row['ratio']:.2f}x {against}")
     if "bytes_ratio" in row:
         parts.append(f"busiest process {row['bytes_ratio']:.2f}x the bytes")

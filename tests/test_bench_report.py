@@ -43,7 +43,7 @@ def test_every_area_has_a_table_or_says_how_to_measure_it():
     assert "`b76fff506a+dirty`" in call and "0.7 -> 4.0" in call
     assert "0.93x | ok |" in call  # metrics on vs off, against its own target
     # no W2 in the source: the weight sync area names the command instead of failing
-    assert "No figure in the source runs. Measure it with `python -m bench --only W1" in \
+    assert "No figure in the source runs. Measure it with `python -m bench --only W2" in \
         _section(text, "Weight sync")
 
 
