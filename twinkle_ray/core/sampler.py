@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .dispatch import span
+from .batch import span
 
 logger = logging.getLogger(__name__)
 
