@@ -21,6 +21,11 @@ windowed without the whole value (sequences of different types or dtypes under o
 very long tuple, an error), the consumer fetches every output it reads, collects and splits:
 the rule itself, literally.
 
+One piece over 400 lines: the record format is written here (:func:`record_of`) and read
+here (the skeletons), and the fast path must give exactly the rule's value, so the rule, the
+records and the fast path that stands in for it are kept side by side, where a change to one
+is seen against the others.
+
 Example: a dp=4 producer's ``collect='flatten'`` result, routed to data rank 1 of a
 ``slice_dp`` consumer of data-parallel size 2, pulls outputs 2 and 3 only::
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .batch import span
 from .modes import where
 
 __all__ = [
@@ -67,11 +68,8 @@ def peer_workers(caller_rank: int, caller_world: int, n_workers: int) -> list[in
     >>> peer_workers(3, 4, 2)   # 4 callers, 2 workers: callers 2, 3 share worker 1
     [1]
     """
-    if n_workers >= caller_world:
-        per = n_workers // caller_world
-        extra = n_workers % caller_world
-        start = caller_rank * per + min(caller_rank, extra)
-        return list(range(start, start + per + (1 if caller_rank < extra else 0)))
+    if n_workers >= caller_world:  # the divmod split of the workers over the callers
+        return list(range(*span(n_workers, caller_world, caller_rank)))
     return [caller_rank * n_workers // caller_world]
 
 
