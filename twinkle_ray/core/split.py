@@ -200,10 +200,11 @@ def dispatch(
             the workers).
         gpus_per_worker: worker ``i`` is global mesh rank ``i * gpus_per_worker``.
         method, group: named in error messages.
-        runners: the workers that run the call (``execute='peer'``: :func:`call_targets`);
-            every worker when None. The arguments are cut over the runners only, so every
-            item runs exactly once (see :func:`runner_splits`); the entries of the workers
-            that do not run repeat the first runner's.
+        runners: the workers that run the call (``execute='peer'``:
+            :func:`~twinkle_ray.core.worker_ranks.call_targets`); every worker when None. The
+            arguments are cut over the runners only, so every item runs exactly once (see
+            :func:`runner_splits`); the entries of the workers that do not run repeat the
+            first runner's.
 
     Returns:
         ``n_workers`` tuples ``(args_tuple, kwargs_dict)``, in worker order.  Workers that get
