@@ -67,6 +67,30 @@ def test_replica_bundles_put_the_replica_first():
         replica_bundles(g, {"CPU": 0})
 
 
+
+@pytest.mark.parametrize("name", ["deployment", "replica", "http_json"])
+def test_serve_modules_run_their_examples(name):
+    """Each module of twinkle_ray.serve (one job each) runs its docstring examples."""
+    import doctest
+
+    module = importlib.import_module(f"twinkle_ray.serve.{name}")
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0, name
+
+
+def test_serve_package_exports_its_modules_objects():
+    """``twinkle_ray.serve`` stays the documented import path: every name it exports is the
+    object of the module that owns it."""
+    import twinkle_ray.serve as serve
+
+    owners = {}
+    for name in ("deployment", "replica", "http_json"):
+        module = importlib.import_module(f"twinkle_ray.serve.{name}")
+        owners.update({n: module for n in module.__all__})
+    assert sorted(owners) == sorted(serve.__all__)
+    for name in serve.__all__:
+        assert getattr(serve, name) is getattr(owners[name], name), name
+
 def test_cluster_that_can_never_hold_the_replicas_fails_at_once(ray_session):
     with pytest.raises(PlacementError, match=r"need \{CPU: 300, GPU: 200\}"):
         check_cluster_fits(DeviceGroup("s", 2, "cuda"), num_replicas=100)

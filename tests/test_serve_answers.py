@@ -5,8 +5,8 @@ the padded batch, every worker answers its slice (the tp/pp peers of a data rank
 slice; a pipeline's earlier stages something else), and the call is collected with
 :func:`twinkle_ray.serve.per_item_spec`'s collect -- checked against the oracle (the answer to
 each item, in input order) over meshes (dp, dp x tp, fsdp x dp, pp x dp, none) x batch sizes.
-The Ray part: a replica (a plain actor on a replica-shaped placement group, as in
-test_replica_policy) on a dp=2 x tp=2 gang and on an fsdp=2 x dp=2 one.
+The Ray part is in test_replica_policy: a replica (a plain actor on a replica-shaped placement
+group) on an fsdp=2 x dp=2 gang answers each request its own input, across a dispatcher kill.
 """
 
 from __future__ import annotations

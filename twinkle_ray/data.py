@@ -42,7 +42,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from .core.dispatch import span
+from .core.batch import span
 from .core.functions import remote_function
 from .core.sampler import DeviceMeshSampler, StreamBatcher, batch_bounds
 from .runtime.remote import remote_class

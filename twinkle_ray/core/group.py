@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from .accelerators import ACCELERATORS, DEVICE_TYPE_ALIASES, Accelerator, normalize_device_type
+from .mesh_checks import is_int
 
 __all__ = [
     'ACCELERATORS',
@@ -39,10 +40,6 @@ __all__ = [
 
 #: Ray placement-group strategies.
 PLACEMENT_STRATEGIES = ('PACK', 'SPREAD', 'STRICT_PACK', 'STRICT_SPREAD')
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass
@@ -93,7 +90,7 @@ class DeviceGroup:
         except ValueError as exc:
             raise ValueError(f'{where}: {exc}') from None
 
-        if not _is_int(self.gpus_per_worker) or self.gpus_per_worker < 1:
+        if not is_int(self.gpus_per_worker) or self.gpus_per_worker < 1:
             raise ValueError(f'{where}: gpus_per_worker must be an integer >= 1, got {self.gpus_per_worker!r}')
         if (
             not isinstance(self.cpus_per_worker, numbers.Real)
@@ -111,7 +108,7 @@ class DeviceGroup:
             )
         self.strategy = self.strategy.upper()
 
-        if self.gpus_per_node is not None and (not _is_int(self.gpus_per_node) or self.gpus_per_node < 1):
+        if self.gpus_per_node is not None and (not is_int(self.gpus_per_node) or self.gpus_per_node < 1):
             raise ValueError(f'{where}: gpus_per_node must be an integer >= 1, got {self.gpus_per_node!r}')
         if self.colocate_with is not None and (not isinstance(self.colocate_with, str) or not self.colocate_with):
             raise ValueError(f'{where}: colocate_with must be a group name, got {self.colocate_with!r}')
@@ -133,7 +130,7 @@ class DeviceGroup:
 
     def _check_ranks(self, where: str, kind: str) -> None:
         ranks = self.ranks
-        if _is_int(ranks):
+        if is_int(ranks):
             if ranks <= 0:
                 raise ValueError(f'{where}: ranks must be a positive number of devices, got {ranks}')
             self.ranks = int(ranks)
@@ -147,7 +144,7 @@ class DeviceGroup:
                 )
             if not ranks:
                 raise ValueError(f'{where}: ranks is an empty list')
-            bad = [r for r in ranks if not _is_int(r)]
+            bad = [r for r in ranks if not is_int(r)]
             if bad:
                 raise ValueError(f'{where}: ranks must be integers, got {bad}')
             ranks = [int(r) for r in ranks]
@@ -299,7 +296,7 @@ class DeviceGroup:
         return ids
 
     def _check_worker(self, i: int) -> None:
-        if not _is_int(i) or not 0 <= i < self.num_workers:
+        if not is_int(i) or not 0 <= i < self.num_workers:
             raise IndexError(
                 f"DeviceGroup '{self.name}' has {self.num_workers} workers; no worker {i!r}"
             )

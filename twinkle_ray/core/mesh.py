@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from .batch import span
 from .mesh_checks import (
     KNOWN_DIMS,
     check_dim_names,
@@ -486,9 +487,7 @@ class DeviceMesh:
             rank = self.get_data_rank_from_global_rank(self._current_rank())
         elif not is_int(rank) or not 0 <= rank < world:
             raise ValueError(f"data rank {rank!r} is out of range for data_world_size {world}")
-        per, extra = divmod(total_length, world)
-        start = rank * per + min(rank, extra)
-        return slice(start, start + per + (1 if rank < extra else 0))
+        return slice(*span(total_length, world, rank))
 
     # ------------------------------------------------------- pipelines
     def get_pp_stage_ranks(self, stage: int) -> list[int]:

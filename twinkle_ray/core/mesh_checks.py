@@ -15,12 +15,13 @@ Example::
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import numpy as np
 
 __all__ = ["KNOWN_DIMS", "FROM_SIZES_ORDER", "check_ranks", "check_dim_names", "check_flattened",
-           "check_positive", "sizes_in_order"]
+           "check_positive", "is_int", "sizes_in_order"]
 
 #: Root dimension names a mesh may use (Twinkle's, plus NeMo's FSDP2/MoE names).
 KNOWN_DIMS: frozenset[str] = frozenset(
@@ -31,8 +32,13 @@ FROM_SIZES_ORDER: tuple[str, ...] = ("fsdp", "pp", "dp", "cp", "tp")
 
 
 def is_int(value: Any) -> bool:
-    """An integer (numpy's too), not a bool."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    """An integer: Python's or numpy's (as DeviceMesh, DeviceGroup and the samplers take), not a
+    bool. The one such check of the core.
+
+    >>> is_int(np.int64(3)), is_int(3), is_int(True), is_int(np.bool_(True)), is_int(3.0)
+    (True, True, False, False, False)
+    """
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def check_positive(name: str, value: Any) -> int:

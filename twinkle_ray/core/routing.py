@@ -5,15 +5,15 @@ One rule, written once::
     value(rank) = split(collect(mode, producer outputs))[rank]
 
 exactly what the rank would receive had the caller fetched the result and passed the
-value: :func:`~twinkle_ray.core.dispatch.collect` joins the outputs as ``get()`` does, and
-:func:`~twinkle_ray.core.dispatch.split_arg` cuts the value as :func:`dispatch` cuts a passed
-argument. A result of several return values (tuple results, joined element-wise by
+value: :func:`~twinkle_ray.core.collect.collect` joins the outputs as ``get()`` does, and
+:func:`~twinkle_ray.core.split.split_arg` cuts the value as
+:func:`~twinkle_ray.core.split.dispatch` cuts a passed argument. A result of several return values (tuple results, joined element-wise by
 ``collect``) is then cut as that tuple would be, passed.
 
 **The fast path computes that same value with those same functions.** Each producer output
 comes with a *record* (:func:`record_of`: its structure, with the length, type and dtype of
 every sequence in it, none of its items). The consumer builds a *skeleton* of every output
-from its record, with :class:`~twinkle_ray.core.dispatch.View` s in place of the sequences,
+from its record, with :class:`~twinkle_ray.core.batch.View` s in place of the sequences,
 and runs the real ``collect`` and ``split_arg`` on the skeletons. What comes out names the
 outputs (and the ranges in them) the rank's part is made of: only those are fetched, and the
 part is assembled from them with the real ``take`` and ``concat``. Where a join cannot be
@@ -21,10 +21,15 @@ windowed without the whole value (sequences of different types or dtypes under o
 very long tuple, an error), the consumer fetches every output it reads, collects and splits:
 the rule itself, literally.
 
+One piece over 400 lines: the record format is written here (:func:`record_of`) and read
+here (the skeletons), and the fast path must give exactly the rule's value, so the rule, the
+records and the fast path that stands in for it are kept side by side, where a change to one
+is seen against the others.
+
 Example: a dp=4 producer's ``collect='flatten'`` result, routed to data rank 1 of a
 ``slice_dp`` consumer of data-parallel size 2, pulls outputs 2 and 3 only::
 
-    >>> from twinkle_ray.core.dispatch import Split
+    >>> from twinkle_ray.core.split import Split
     >>> outputs = [{'ids': [0, 1], 'n': 2}, {'ids': [2, 3], 'n': 2},
     ...            {'ids': [4, 5], 'n': 2}, {'ids': [6, 7], 'n': 2}]
     >>> source = Source('flatten', [record_of(o) for o in outputs], workers=[0, 1, 2, 3])
@@ -45,18 +50,9 @@ from typing import Any
 import numpy as np
 
 from .balance import in_input_order, locate_positions, total_items
-from .dispatch import (
-    Split,
-    View,
-    batch_len,
-    collect,
-    collect_sources,
-    concat,
-    is_list,
-    is_tensor,
-    split_arg,
-    take,
-)
+from .batch import View, batch_len, concat, is_tensor, take
+from .collect import collect, collect_sources
+from .split import Split, is_list, split_arg
 
 # A tuple this long in an output is recorded by its length only (a skeleton of every element
 # would cost more than it saves): a result holding one is collected whole.
@@ -146,7 +142,7 @@ class Piece(View):
 
 
 class Joined(View):
-    """What :func:`~twinkle_ray.core.dispatch.concat` makes of sequences: their segments
+    """What :func:`~twinkle_ray.core.batch.concat` makes of sequences: their segments
     ``(k, path, start, stop)`` one after another, as one ``kind`` ('list', 'ndarray', 'tensor')."""
 
     __slots__ = ("segments", "kind", "extra", "fresh")

@@ -40,13 +40,13 @@ Example::
 from __future__ import annotations
 
 import logging
-import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
-from .dispatch import span
+from .batch import span
+from .mesh_checks import is_int
 
 logger = logging.getLogger(__name__)
 
@@ -65,22 +65,13 @@ def _data_world_size(data_world_size: int | None, device_mesh: Any) -> int:
             )
         return dws
     dws = 1 if data_world_size is None else data_world_size
-    if not _is_int(dws) or dws < 1:
+    if not is_int(dws) or dws < 1:
         raise ValueError(f"data_world_size must be a positive integer, got {dws!r}")
     return int(dws)
 
 
-def _is_int(value: Any) -> bool:
-    """An integer: Python's or numpy's (as DeviceMesh and DeviceGroup take), not a bool.
-
-    >>> _is_int(np.int64(3)), _is_int(3), _is_int(True), _is_int(3.0)
-    (True, True, False, False)
-    """
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
-
-
 def _check_batch_size(batch_size: int, dws: int) -> None:
-    if not _is_int(batch_size) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     if batch_size % dws:
         raise ValueError(
@@ -150,7 +141,7 @@ class DeviceMeshSampler:
         seed: int = 0,
         drop_last: bool = False,
     ):
-        if not _is_int(num_items) or num_items < 0:
+        if not is_int(num_items) or num_items < 0:
             raise ValueError(f"num_items must be a non-negative integer, got {num_items!r}")
         self.data_world_size = _data_world_size(data_world_size, device_mesh)
         _check_batch_size(batch_size, self.data_world_size)

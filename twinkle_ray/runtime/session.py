@@ -6,6 +6,12 @@ returning. ``shutdown`` kills every gang and removes every placement group it
 made, and stops Ray only if it started it. The runtime is held in one module
 variable, as Ray holds its own worker: there is one per driver process.
 
+One piece, a little over 400 lines: the :class:`Runtime` record and every function here
+(``initialize`` creating or extending it, ``shutdown`` tearing it down, ``gang_for``,
+``get_device_placement`` and ``current`` reading it) share that one module variable; split,
+they would pass it between modules (``get``, which reads none of it, is the short exception,
+kept beside the calls a script makes with it).
+
 Example::
 
     import twinkle_ray as twinkle
