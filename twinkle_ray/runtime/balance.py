@@ -28,8 +28,9 @@ Faults are those of any call: a death fails the call with WorkerDiedError
 (the gang's teardown ends the chunk table, so no chunk runs twice, and with
 ``max_restarts`` the call is not re-run); a raising chunk ends the call's
 handing out (the other groups stop at their next ask) and the error is raised
-with its type. A balanced call is not checked for ranks stuck in a collective:
-its data-parallel groups run their own chunks and never share one.
+with its type. Only the failed rank's tp/pp peers are checked for ranks stuck in
+a collective (the gang's ``stuck_grace_s``): its data-parallel groups run their
+own chunks and never share one, but a group's peers do.
 
 Example::
 
