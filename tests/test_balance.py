@@ -401,3 +401,30 @@ def test_a_raising_tp_peer_in_a_balanced_call_never_leaves_its_peer_stuck(runtim
     assert err.rank in (1, 3) and err.stuck == [err.rank - 1], err  # not the other group's ranks
     assert f"ValueError: a bad item on rank {err.rank}" in str(err)
 
+
+@remote_class(distributed=False)
+class Stages:
+    """Two pipeline stages of one data-parallel group: only the last stage holds the results (the
+    first answers placeholders, as a pipeline-parallel engine's first stage has no logits)."""
+
+    def __init__(self, device_mesh=None):
+        self.last = device_mesh.is_pp_last_rank(get_rank())
+
+    @remote_function(dispatch="balance", collect="flatten", chunk_size=1)
+    def generate(self, xs: list) -> list:
+        return [x * 10 if self.last else None for x in xs]
+
+
+@pytest.mark.slow  # a gang of 2 without torch.distributed: seconds
+def test_a_pp_group_answers_with_its_last_stage(runtime):
+    """Guards against: get() and as_completed() of a balanced call on a pipeline-parallel gang read
+    each group's first worker, stage 0 (its placeholders), not the last stage (collect='last_pp'
+    semantics)."""
+    runtime.initialize(groups=[DeviceGroup("bal_pp", 2, "cpu")])
+    gang = Stages(device_mesh=DeviceMesh.from_sizes(dp_size=1, pp_size=2, device_type="cpu"),
+                  remote_group="bal_pp")
+    lazy = gang.generate(list(range(5)))
+    got = sorted((c.index, c.value) for c in lazy.as_completed(timeout=60))
+    assert got == [(i, i * 10) for i in range(5)]
+    assert lazy.get(timeout=60) == [i * 10 for i in range(5)]
+    assert gang.generate([7, 8])() == [70, 80]
