@@ -156,21 +156,33 @@ class WeightSync:
         self._generations = self._gang_generations()
         return [(self.source, src), *zip(self.targets, tgt, strict=True), (self.source, setup), *joins]
 
-    def _gang_generations(self) -> tuple:
+    def _gang_generations(self, must_answer: bool = False) -> tuple:
         """Which build of each gang runs now (its dispatcher answers at once): a rebuilt gang holds no
-        pairs. Every gang is asked at once: one round trip per sync, whatever the number of gangs."""
+        pairs. Every gang is asked at once: one round trip per sync, whatever the number of gangs, and
+        none waited on longer than ``timeout_s``. A gang closed or gone reads None (the sync says so);
+        one whose dispatcher does not answer in time reads None too, or (``must_answer``: before a sync
+        submits anything) raises CallTimeoutError naming the gang and the channel."""
         import ray
 
+        gangs = [self.source, *self.targets]
         refs = []
-        for g in [self.source, *self.targets]:
+        for g in gangs:
             try:
                 refs.append(g.topology_ref())
             except Exception:  # closed: the sync will say so
                 refs.append(None)
+        asked = [r for r in refs if r is not None]
+        ready = set(ray.wait(asked, num_returns=len(asked), timeout=self.timeout_s)[0]) if asked else set()
+        silent = [g for g, r in zip(gangs, refs, strict=True) if r is not None and r not in ready]
+        if silent and must_answer:
+            from ..runtime.errors import CallTimeoutError
+
+            raise CallTimeoutError(f"weight sync {self.channel}: the dispatcher of {silent[0]!r} did not "
+                                   f"answer within {self.timeout_s:g}s (timeout_s); nothing was sent", [])
         out = []
         for ref in refs:
             try:
-                t = ray.get(ref) if ref is not None else None
+                t = ray.get(ref, timeout=0) if ref in ready else None
                 out.append(None if t is None else (t["dispatcher_id"], t["generation"]))
             except Exception:  # gone: the sync will say so
                 out.append(None)
@@ -184,7 +196,7 @@ class WeightSync:
                 last.get()  # finished: reading it never waits
             except Exception:  # kept in the handle for its owner; it marked the channel for set-up
                 pass
-        if self._ok and self._gang_generations() != self._generations:
+        if self._ok and self._gang_generations(must_answer=True) != self._generations:
             self._ok = False
 
     def known_names(self, wait: bool = False) -> set[str] | None:
