@@ -73,6 +73,23 @@ def check_targets(source: Any, targets: Sequence[Any]) -> None:
         seen[key] = i
 
 
+def check_settings(timeout_s: Any, bucket_mb: Any, backend: Any) -> None:
+    """Refuse settings no sync can run with (``ValueError`` naming the setting), before any side effect:
+    ``timeout_s`` and ``bucket_mb`` positive numbers, ``backend`` None, 'gloo' or 'nccl'.
+
+    >>> check_settings(60, 32, None)
+    >>> check_settings(0, 32, None)
+    Traceback (most recent call last):
+    ...
+    ValueError: weight sync: timeout_s must be a positive number of seconds, got 0
+    """
+    for name, value, unit in (("timeout_s", timeout_s, " of seconds"), ("bucket_mb", bucket_mb, " of MB")):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(f"weight sync: {name} must be a positive number{unit}, got {value!r}")
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"weight sync: backend must be None (chosen by the ends), 'gloo' or 'nccl', got {backend!r}")
+
+
 def check_names(names: Sequence[str] | None, known: Any, trainer: Any) -> list[str] | None:
     """``names`` as a list, refused (``ValueError`` naming them) when the trainer lacks any of them
     (``known``: the trainer's tensor names, None when not known yet); a bare string is refused too."""
@@ -104,6 +121,7 @@ class WeightSync:
         self.source = source
         self.targets = list(targets) if isinstance(targets, list | tuple) else [targets]
         check_targets(source, self.targets)
+        check_settings(timeout_s, bucket_mb, backend)
         self.backend, self.timeout_s, self.bucket_mb = backend, timeout_s, bucket_mb
         self.channel = f"ws-{uuid.uuid4().hex[:10]}"
         self.backend_used: str | None = backend
@@ -386,11 +404,17 @@ def sync_weights(
     >>> # handle = sync_weights(trainer, [sampler_a, sampler_b], wait=False); ...; twinkle_ray.get(handle)
     """
     samplers = list(sampler) if isinstance(sampler, list | tuple) else [sampler]
+    # every input is checked before any side effect (closing a channel, a sampler leaving it): a
+    # refused call changes nothing
     check_targets(trainer, samplers)
+    check_settings(timeout_s, bucket_mb, backend)
+    names = check_names(names, None, trainer)
     if not _is_gang(trainer):
         return WeightSync(trainer, samplers).sync(names=names, only_changed=only_changed, wait=wait)
     reg = _registry()
     ws = reg.find(trainer)
+    if ws is not None and names is not None:  # the trainer's names, as its channel knows them
+        check_names(names, ws.known_names(wait=wait), trainer)
     if ws is not None and (ws.timeout_s, ws.bucket_mb, ws.backend) != (timeout_s, bucket_mb, backend):
         logger.info("weight sync %s: settings changed; closing it for a new channel", ws.channel)
         ws.close()
