@@ -490,6 +490,17 @@ class Staged(WeightSyncMixin):
         return float(self.model[1].weight[0, 0])
 
     @remote_function(dispatch="all")
+    def set_version(self, version: float) -> None:
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.fill_(version)
+
+    @remote_function(dispatch="all", collect="none")
+    def values(self) -> dict[str, list]:
+        """Every tensor's distinct values (a synced sampler holds exactly one version)."""
+        return {n: sorted(set(t.reshape(-1).tolist())) for n, t in self.model.state_dict().items()}
+
+    @remote_function(dispatch="all")
     def fail_next(self, *what: str, ranks: tuple = (1,)) -> None:
         """Make ``what`` (receiver operations 'join', 'recv'; a source's 'tensors') fail on
         ``ranks``; none clears."""
@@ -559,6 +570,36 @@ def test_a_lane_failing_while_changes_are_tracked_ends_at_once(staged_gangs):
     assert (_generation(trainer), _generation(sampler)) == gens
     trainer.fail_next()()
     assert ws.sync(only_changed=True).receivers == 2
+
+
+@pytest.mark.slow
+def test_the_sync_made_before_a_failure_was_read_repairs_the_receivers(staged_gangs):
+    """E1: trainer rank 1 fails in an only_changed sync; its receivers drain rank 0's pieces without
+    loading them (a sync is taken whole or not at all), but rank 0 recorded them as held. The next
+    only_changed sync, made before anyone read the failure (pipelined), sent rank 0's pieces as
+    unchanged-since-then: the receivers' guard refused it, and it failed too. Every rank now forgets
+    its records once any rank failed: that next sync sends what is needed, and the receivers hold
+    exactly the trainer's weights."""
+    trainer = Staged(MESH, 1.0, lanes=2, remote_group="trainer")
+    sampler = Staged(MESH, 0.0, remote_group="sampler")
+    ws = WeightSync(trainer, sampler, timeout_s=60)
+    assert ws.sync(only_changed=True).tensors == 4
+    trainer.set_version(2.0)()
+    trainer.fail_next("tensors", ranks=(1,))()
+    sampler.work(3.0)  # busy: the failed sync is not done when the next one is made
+    failed = ws.sync(only_changed=True, wait=False)
+    trainer.fail_next()  # after the failed sync, in the trainer's order
+    trainer.set_version(3.0)
+    repairing = ws.sync(only_changed=True, wait=False)
+    assert not failed.done()  # the driver could not know the first one failed
+    with pytest.raises(ValueError, match="no tensors on rank 1"):
+        twinkle_ray.get(failed)
+    stats = twinkle_ray.get(repairing)  # before: RuntimeError, did not take an earlier sync
+    assert (stats.tensors, stats.receivers) == (4, 2)
+    assert sampler.values()() == [{n: [3.0] for n in ("0.weight", "0.bias", "1.weight", "1.bias")}] * 2
+    trainer.set_version(4.0)()
+    ws.sync(only_changed=True)  # and on from there
+    assert sampler.values()() == [{n: [4.0] for n in ("0.weight", "0.bias", "1.weight", "1.bias")}] * 2
 
 
 @pytest.mark.slow
