@@ -21,6 +21,7 @@ from twinkle_ray import (
     CallTimeoutError,
     DeviceGroup,
     DeviceMesh,
+    GangStuckError,
     WorkerDiedError,
     get_rank,
     remote_class,
@@ -340,3 +341,90 @@ def test_a_raising_chunk_fails_the_call_and_leaves_the_gang_up(runtime):
     assert gang.ok()() == [0, 1]  # not GangStuckError: the gang was never torn down
     assert gang.topology()["generation"] == 1
     gang.close()
+
+
+@remote_class(stuck_grace_s=0.5)
+class TpPeers:
+    """Two data-parallel groups of two tp peers (ranks 0, 1 and 2, 3); a chunk ends in an
+    all_reduce between the group's peers."""
+
+    def __init__(self, device_mesh=None):
+        import torch.distributed as dist
+
+        self.tp = None
+        for ranks in ([0, 1], [2, 3]):
+            group = dist.new_group(ranks)
+            if get_rank() in ranks:
+                self.tp = group
+
+    @remote_function(dispatch="balance", collect="flatten", chunk_size=1)
+    def reduce(self, items: list, marks: str | None = None) -> list:
+        import torch
+        import torch.distributed as dist
+
+        if items[0] == "slow":  # the other group: its own chunk, still running past the grace
+            open(os.path.join(marks, f"slow-{get_rank()}"), "w").close()
+            time.sleep(2.0)
+        if items[0] == "bad" and get_rank() % 2 == 1:
+            _wait_for(marks, 2)  # once the other group runs its chunk
+            raise ValueError(f"a bad item on rank {get_rank()}")
+        t = torch.ones(1)
+        dist.all_reduce(t, group=self.tp)  # the raising rank's peer waits here for good
+        return [float(t)] * len(items)
+
+    @remote_function(dispatch="all", collect="none")
+    def ok(self) -> int:
+        return get_rank()
+
+
+@pytest.mark.slow  # a gloo gang of 4: seconds
+def test_a_raising_tp_peer_in_a_balanced_call_never_leaves_its_peer_stuck(runtime, tmp_path):
+    """Guards against: a balanced call had no stuck check, also where a data-parallel group has
+    tp peers that share collectives. A rank raised before the all_reduce its peer sat in: the
+    call, and every call after it, waited on that peer forever. Now the failed rank's peers
+    (only them: the other group runs its own chunk past the grace, and is not stuck) are
+    checked: the call fails with its error (or the gang's), the next one GangStuckError naming
+    group, rank, the stuck peer and the method."""
+    limit_s = 30.0  # a bound for the test only: before the fix these calls never ended
+    runtime.initialize(groups=[DeviceGroup("bal_tp", 4, "cpu", cpus_per_worker=0.5)])
+    gang = TpPeers(device_mesh=DeviceMesh.from_sizes(dp_size=2, tp_size=2, device_type="cpu"),
+                   remote_group="bal_tp")
+    assert gang.reduce(["x", "y"]).get(timeout=limit_s) == [2.0, 2.0]
+    # the call raises its error, or the gang's once the stuck peer was torn down (a death
+    # outranks a user exception): either names the rank's error
+    with pytest.raises((ValueError, GangStuckError), match=r"a bad item on rank [13]"):
+        gang.reduce(["bad", "slow"], str(tmp_path)).get(timeout=limit_s)
+    with pytest.raises(GangStuckError) as stuck:
+        gang.ok().get(timeout=limit_s)  # not queued behind the peer's stuck all_reduce
+    err = stuck.value
+    assert (err.group, err.cls, err.method) == ("bal_tp", "TpPeers", "reduce")
+    assert err.rank in (1, 3) and err.stuck == [err.rank - 1], err  # not the other group's ranks
+    assert f"ValueError: a bad item on rank {err.rank}" in str(err)
+
+
+@remote_class(distributed=False)
+class Stages:
+    """Two pipeline stages of one data-parallel group: only the last stage holds the results (the
+    first answers placeholders, as a pipeline-parallel engine's first stage has no logits)."""
+
+    def __init__(self, device_mesh=None):
+        self.last = device_mesh.is_pp_last_rank(get_rank())
+
+    @remote_function(dispatch="balance", collect="flatten", chunk_size=1)
+    def generate(self, xs: list) -> list:
+        return [x * 10 if self.last else None for x in xs]
+
+
+@pytest.mark.slow  # a gang of 2 without torch.distributed: seconds
+def test_a_pp_group_answers_with_its_last_stage(runtime):
+    """Guards against: get() and as_completed() of a balanced call on a pipeline-parallel gang read
+    each group's first worker, stage 0 (its placeholders), not the last stage (collect='last_pp'
+    semantics)."""
+    runtime.initialize(groups=[DeviceGroup("bal_pp", 2, "cpu")])
+    gang = Stages(device_mesh=DeviceMesh.from_sizes(dp_size=1, pp_size=2, device_type="cpu"),
+                  remote_group="bal_pp")
+    lazy = gang.generate(list(range(5)))
+    got = sorted((c.index, c.value) for c in lazy.as_completed(timeout=60))
+    assert got == [(i, i * 10) for i in range(5)]
+    assert lazy.get(timeout=60) == [i * 10 for i in range(5)]
+    assert gang.generate([7, 8])() == [70, 80]

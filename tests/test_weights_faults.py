@@ -405,6 +405,59 @@ def test_death_during_a_wait_false_sync_ends_it_on_both_sides(pair, side):
     assert sampler.work()() == [5.0, 5.0]
 
 
+class _StopsAfterItsCheck(WeightSync):
+    """A channel whose next sync finds the gangs answering, then the sampler's dispatcher stops
+    (SIGSTOP, ``self.stop``) before the sync's calls reach it: they are never started."""
+
+    stop: int | None = None
+
+    def _check(self) -> None:
+        super()._check()
+        if self.stop is not None:
+            os.kill(self.stop, signal.SIGSTOP)
+            self.stop = None
+
+
+@pytest.mark.slow  # two gangs of 2 (the pair fixture); each bounded wait is timeout_s = 3 s
+def test_a_silent_dispatcher_ends_the_sync_within_its_timeout(pair):
+    """H3: a sampler whose dispatcher does not answer (here: stopped). Before, a sync waited for it
+    forever: the generations check (a ray.get without timeout) and, past that check, the reply of
+    the sampler's call (settle read the ends one by one, without bound). Now each wait is bounded
+    by timeout_s, the ends are read together, and the error names the gang and the channel."""
+    from conftest import concurrently
+
+    trainer, sampler = pair
+    ws = _StopsAfterItsCheck(trainer, sampler, timeout_s=3)
+    ws.sync()
+    pid = sampler.topology()["dispatcher_pid"]
+    try:
+        os.kill(pid, signal.SIGSTOP)  # silent before the sync: its check says so, nothing is sent
+        t0 = time.monotonic()
+        [error] = concurrently(ws.sync, timeout_s=LIMIT_S + 3)
+        took = time.monotonic() - t0
+        os.kill(pid, signal.SIGCONT)
+        assert isinstance(error, CallTimeoutError), error
+        assert f"weight sync {ws.channel}: the dispatcher of {sampler!r} did not answer" in str(error)
+        print(f"\nsilent dispatcher before the sync: error after {took:.2f}s")
+        assert took < LIMIT_S
+
+        ws.stop = pid  # silent once the sync's check passed: its calls never start there
+        t0 = time.monotonic()
+        [error] = concurrently(ws.sync, timeout_s=LIMIT_S + 10)
+        took = time.monotonic() - t0
+        os.kill(pid, signal.SIGCONT)
+        assert isinstance(error, CallTimeoutError), error
+        assert (f"weight sync {ws.channel}: weight_sync_recv() on {sampler!r} was not started on any rank"
+                in str(error))
+        print(f"silent dispatcher inside the sync: error after {took:.2f}s")
+        assert took < LIMIT_S
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    trainer.set_version(6.0)()
+    assert ws.sync().receivers == 2  # the channel set up again: both gangs work
+    assert sampler.work()() == [6.0, 6.0]
+
+
 def test_sync_handle_of_local_objects():
     class Box(WeightSyncMixin):
         def __init__(self, value):
@@ -435,6 +488,17 @@ class Staged(WeightSyncMixin):
     def work(self, seconds: float = 0.0) -> float:
         time.sleep(seconds)
         return float(self.model[1].weight[0, 0])
+
+    @remote_function(dispatch="all")
+    def set_version(self, version: float) -> None:
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.fill_(version)
+
+    @remote_function(dispatch="all", collect="none")
+    def values(self) -> dict[str, list]:
+        """Every tensor's distinct values (a synced sampler holds exactly one version)."""
+        return {n: sorted(set(t.reshape(-1).tolist())) for n, t in self.model.state_dict().items()}
 
     @remote_function(dispatch="all")
     def fail_next(self, *what: str, ranks: tuple = (1,)) -> None:
@@ -509,6 +573,36 @@ def test_a_lane_failing_while_changes_are_tracked_ends_at_once(staged_gangs):
 
 
 @pytest.mark.slow
+def test_the_sync_made_before_a_failure_was_read_repairs_the_receivers(staged_gangs):
+    """E1: trainer rank 1 fails in an only_changed sync; its receivers drain rank 0's pieces without
+    loading them (a sync is taken whole or not at all), but rank 0 recorded them as held. The next
+    only_changed sync, made before anyone read the failure (pipelined), sent rank 0's pieces as
+    unchanged-since-then: the receivers' guard refused it, and it failed too. Every rank now forgets
+    its records once any rank failed: that next sync sends what is needed, and the receivers hold
+    exactly the trainer's weights."""
+    trainer = Staged(MESH, 1.0, lanes=2, remote_group="trainer")
+    sampler = Staged(MESH, 0.0, remote_group="sampler")
+    ws = WeightSync(trainer, sampler, timeout_s=60)
+    assert ws.sync(only_changed=True).tensors == 4
+    trainer.set_version(2.0)()
+    trainer.fail_next("tensors", ranks=(1,))()
+    sampler.work(3.0)  # busy: the failed sync is not done when the next one is made
+    failed = ws.sync(only_changed=True, wait=False)
+    trainer.fail_next()  # after the failed sync, in the trainer's order
+    trainer.set_version(3.0)
+    repairing = ws.sync(only_changed=True, wait=False)
+    assert not failed.done()  # the driver could not know the first one failed
+    with pytest.raises(ValueError, match="no tensors on rank 1"):
+        twinkle_ray.get(failed)
+    stats = twinkle_ray.get(repairing)  # before: RuntimeError, did not take an earlier sync
+    assert (stats.tensors, stats.receivers) == (4, 2)
+    assert sampler.values()() == [{n: [3.0] for n in ("0.weight", "0.bias", "1.weight", "1.bias")}] * 2
+    trainer.set_version(4.0)()
+    ws.sync(only_changed=True)  # and on from there
+    assert sampler.values()() == [{n: [4.0] for n in ("0.weight", "0.bias", "1.weight", "1.bias")}] * 2
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [(0, 1), (1,)], ids=["every-receiver", "one-receiver"])
 def test_a_failed_receiver_frees_the_source_without_get(staged_gangs, ranks):
     """wait=False, receivers failing before they reach the sync: the trainer's next call answers
@@ -560,21 +654,20 @@ def test_get_timeout_bounds_the_whole_get(staged_gangs):
 
 
 class _Unplanned:
-    """A sync end whose call has not started on any rank (its gang is being rebuilt): asking for its
-    plan waits up to the timeout given, then raises as LazyResult.plan does; without one, 3 s."""
+    """A sync end whose call has not started on any rank (its gang is being rebuilt): its
+    dispatcher's reply (``reply_ref``) has not come; asking for the reply waits up to the timeout
+    given, then raises as LazyResult.reply does."""
 
-    def __init__(self):
+    def __init__(self, reply_ref):
+        self.reply_ref = reply_ref
         self.asked: list = []
         self.gang = type("G", (), {"group": "sampler", "cls_name": "Staged"})()
         self.method = "weight_sync_recv"
 
     def reply(self, timeout=None):
         self.asked.append(timeout)
-        time.sleep(3.0 if timeout is None else min(timeout, 3.0))
-        if timeout is not None and timeout < 3.0:
-            raise CallTimeoutError(f"Staged.weight_sync_recv() on group 'sampler': not started on any rank "
-                                   f"within {timeout:g}s", [])
-        return type("Out", (), {"refs": [], "workers": []})()
+        raise CallTimeoutError(f"Staged.weight_sync_recv() on group 'sampler': not started on any rank "
+                               f"within {timeout:g}s", [])
 
     refs = property(lambda self: list(self.reply().refs))
     ranks = property(lambda self: list(self.reply().workers))
@@ -587,13 +680,24 @@ class _Unplanned:
         return []
 
 
-def test_get_timeout_bounds_fetching_the_plans():
+def test_get_timeout_bounds_fetching_the_plans(ray_session):
+    import ray
+
     from twinkle_ray.weights import SyncHandle
 
+    @ray.remote(num_cpus=0)
+    def later() -> None:
+        time.sleep(60)
+
     ws = WeightSync(object(), [object()])
-    end = _Unplanned()
+    end = _Unplanned(later.remote())
     handle = SyncHandle(ws, [("sampler", end)], None, None)
-    with pytest.raises(CallTimeoutError, match=f"weight sync {ws.channel}: not finished within 0.5s") as info:
-        handle.get(timeout=0.5)
-    assert "not started on any rank" in str(info.value)
-    assert len(end.asked) == 1 and 0 < end.asked[0] <= 0.5  # the plan was asked for within the bound
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CallTimeoutError, match=f"weight sync {ws.channel}: not finished within 0.5s") as info:
+            handle.get(timeout=0.5)
+        assert time.monotonic() - t0 < LIMIT_S  # the bound, not the reply's 60 s
+        assert "not started on any rank" in str(info.value)
+        assert end.asked == []  # its reply never came: nothing waited on it past the bound
+    finally:
+        ray.cancel(end.reply_ref, force=True)

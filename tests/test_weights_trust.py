@@ -219,6 +219,43 @@ def test_bad_targets_and_names_are_refused_and_the_next_sync_works_at_once(gangs
 
 
 @pytest.mark.slow  # the module's gangs start in ~30 s under load
+def test_a_refused_call_closes_no_channel_and_retargets_nothing(gangs):
+    """E2: inputs were checked after side effects. Unknown names= with other settings closed the
+    channel in use (its records lost: the next only_changed sent everything); with fewer samplers it
+    made the others leave the channel (rebuilt and sent everything at the next sync). Bad settings
+    alike. Each bad call now changes nothing: same channel, the next only_changed sends what changed
+    only, and every sampler is exact."""
+    from twinkle_ray.weights.driver import _registry
+
+    trainer, a, b = gangs
+    sync_weights(trainer, [a, b], only_changed=True)
+    channel = _registry().find(trainer).channel
+    opened = [[c["opened"] for d in g.weight_sync_channels()() for c in d["receivers"].values()]
+              for g in (a, b)]
+    bad = [
+        (lambda: sync_weights(trainer, [a, b], names=["a", "nope"], timeout_s=77), r"unknown tensor name.*'nope'"),
+        (lambda: sync_weights(trainer, [a], names=["nope"]), r"unknown tensor name.*'nope'"),
+        (lambda: sync_weights(trainer, [a], names="a"), r"list of tensor names"),
+        (lambda: sync_weights(trainer, [a, b], timeout_s=0), r"timeout_s must be a positive number"),
+        (lambda: sync_weights(trainer, [a], bucket_mb=-1), r"bucket_mb must be a positive number"),
+        (lambda: sync_weights(trainer, [b], backend="mpi"), r"backend must be None.*'mpi'"),
+    ]
+    for step, (call, match) in enumerate(bad):
+        trainer.change("a", 400 + step)()
+        _refused(call, match)
+        assert _registry().find(trainer).channel == channel, match  # not closed, not replaced
+        assert _open_channels(trainer, "sources") == {channel}, match
+        stats = sync_weights(trainer, [a, b], only_changed=True)
+        assert stats.names == ["a"], (match, stats.names)  # records kept: what changed, only
+        want = truth(trainer)
+        assert_exact(a, want, what=match)
+        assert_exact(b, want, what=match)
+        now = [[c["opened"] for d in g.weight_sync_channels()() for c in d["receivers"].values()]
+               for g in (a, b)]
+        assert now == opened, match  # no sampler left the channel: no pair rebuilt
+
+
+@pytest.mark.slow  # the module's gangs start in ~30 s under load
 def test_a_name_unknown_to_a_fresh_channel_is_refused_before_sending(gangs):
     """names= on a channel's first sync: the set-up finds the trainer's names, the check comes
     before any byte moves, and the channel then works."""

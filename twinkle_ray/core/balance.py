@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .dispatch import batch_len, concat, take
+from .dispatch import batch_len, collect_sources, concat, take, worker_data_ranks
 
 CHUNKS_PER_GROUP = 8  # chunk_size=None: about this many chunks per data-parallel group
 DROPPED_KEPT = 1024  # how many ended calls a ChunkTable remembers (so a late ask is told "none")
@@ -338,6 +338,24 @@ def locate_positions(positions: list[Positions], start: int, stop: int
         if lo < hi:
             out.append((w, (off + lo - s, off + hi - s)))
     return out
+
+
+def group_readers(n_workers: int, mesh: Any = None, gpus_per_worker: int = 1) -> dict[int, int]:
+    """Data rank -> the worker whose results stand for that data-parallel group in a balanced
+    call: its first worker on the last pipeline stage (what ``collect='last_pp'`` reads; the
+    group's first worker without pp). Its tp/pp peers run the same chunks, but an earlier
+    stage's results are not the group's.
+
+    >>> from twinkle_ray.core.mesh import DeviceMesh
+    >>> group_readers(4, DeviceMesh.from_sizes(dp_size=2, pp_size=2))
+    {0: 2, 1: 3}
+    >>> group_readers(4, DeviceMesh.from_sizes(dp_size=2, tp_size=2)), group_readers(2)
+    ({0: 0, 1: 2}, {0: 0, 1: 1})
+    """
+    _, data_ranks = worker_data_ranks(n_workers, mesh, gpus_per_worker)
+    picks = collect_sources("last_pp", list(range(n_workers)), device_mesh=mesh,
+                            gpus_per_worker=gpus_per_worker)
+    return {data_ranks[k]: k for k in picks}
 
 
 def in_input_order(outputs: list, positions: list[Positions]) -> Any:

@@ -28,8 +28,9 @@ Faults are those of any call: a death fails the call with WorkerDiedError
 (the gang's teardown ends the chunk table, so no chunk runs twice, and with
 ``max_restarts`` the call is not re-run); a raising chunk ends the call's
 handing out (the other groups stop at their next ask) and the error is raised
-with its type. A balanced call is not checked for ranks stuck in a collective:
-its data-parallel groups run their own chunks and never share one.
+with its type. Only the failed rank's tp/pp peers are checked for ranks stuck in
+a collective (the gang's ``stuck_grace_s``): its data-parallel groups run their
+own chunks and never share one, but a group's peers do.
 
 Example::
 
@@ -57,6 +58,7 @@ import ray
 from ..core.balance import (
     check_result,
     chunk_bounds,
+    group_readers,
     join_items,
     list_length,
     pick_chunk_size,
@@ -83,6 +85,9 @@ class BalanceHead:
     where: str = "?"  # 'Class.method()' for errors
     in_flight: int = 1  # chunks a group keeps running at once (an async def method)
     peers: int = 0  # the workers of this data-parallel group (0: not known)
+    # the gang rank whose results stand for the group (its first on the last pp stage:
+    # core.balance.group_readers); its peers return none (None: every worker its own)
+    reader: int | None = None
 
 
 @dataclass
@@ -138,8 +143,9 @@ def split(name: str, spec: RemoteFunction, gang: GangRef, execute: str, args: tu
 
         args = tuple(chunked(v) for v in args)
         kwargs = {k: chunked(v) for k, v in kwargs.items()}
+    readers = group_readers(gang.n_workers, gang.mesh, gang.gpus_per_worker)
     heads = {d: BalanceHead(d, groups, spec.chunk_size, lazy, where, spec.in_flight,
-                            data_ranks.count(d)) for d in set(data_ranks)}
+                            data_ranks.count(d), readers[d]) for d in set(data_ranks)}
     return [(args, kwargs)] * len(data_ranks), [heads[d] for d in data_ranks]
 
 
@@ -208,6 +214,8 @@ def run_chunks(worker: Any, task: Any, args: tuple, kwargs: dict) -> tuple[Any, 
         entry.end(failed=True)
         raise
     entry.end()
+    if head.reader is not None and head.reader != worker.info.rank:
+        return None, record_balanced(None, [])  # a peer of its group's reader: not read
     value = join_items(loop.results) if loop.results else None
     return value, record_balanced(value, loop.positions)
 

@@ -2,10 +2,11 @@
 
 The caller asks the gang's dispatcher once for the workers of the call's generation
 (``Dispatcher.stream_workers``), then submits one streaming generator task
-(``GangWorker.stream``) to the first worker of each data-parallel group (its tp/pp peers run
-the same chunks). Each yields batches of finished chunks as they finish; the objects are the
-caller's own (Ray's streaming generators), read with ``ray.wait`` over every group's stream:
-no payload passes through the dispatcher, and the caller's work is reading results.
+(``GangWorker.stream``) to the worker read in each data-parallel group (its first on the last
+pipeline stage; its tp/pp peers run the same chunks). Each yields batches of finished chunks
+as they finish; the objects are the caller's own (Ray's streaming generators), read with
+``ray.wait`` over every group's stream: no payload passes through the dispatcher, and the
+caller's work is reading results.
 
 When a group's stream ends, that group's record (small: its positions) is fetched with the
 call's error contract: a rank that raised raises here (its type kept, its rank named), a dead
@@ -28,7 +29,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
-from ..core.balance import Completed, chunk_items, total_items
+from ..core.balance import Completed, chunk_items, group_readers, total_items
 from ..core.dispatch import worker_data_ranks
 from .diagnose import fetch
 from .errors import CallTimeoutError
@@ -60,9 +61,8 @@ def _stream(lazy: Any, reply: Any, deadline: float | None, stated: float | None,
     seq, gen = reply.stream
     _, data_ranks = worker_data_ranks(len(reply.workers), gang.mesh, gang.gpus_per_worker,
                                       method, gang.group)
-    readers: dict[int, int] = {}  # data rank -> its first worker (index into reply.workers)
-    for k, d in enumerate(data_ranks):
-        readers.setdefault(d, k)
+    # data rank -> the worker read (index into reply.workers): its first on the last pp stage
+    readers = group_readers(len(reply.workers), gang.mesh, gang.gpus_per_worker)
     handles = None
     try:
         handles = ray.get(gang.dispatcher.stream_workers.remote(gen), timeout=_left(deadline))

@@ -6,8 +6,9 @@ until Ray says it died, its node is reported dead (a lost node), it answers
 again (an outage that ended) or ``OUTAGE_LIMIT_S`` pass ('unreachable').
 A worker whose call raised reports it (``report_failure``, with the call's
 number); ranks of that same call still running ``stuck_grace_s`` later are
-presumed stuck in a collective (only in a gang that joined torch.distributed;
-never for a balanced call, whose data-parallel groups share no collective). Either way the failure goes to the rebuild room
+presumed stuck in a collective (only in a gang that joined torch.distributed; for a
+balanced call, only the failed rank's tp/pp peers: its data-parallel groups share no
+collective, a group's peers do). Either way the failure goes to the rebuild room
 (``on_failure``), which tears the gang down.
 
 :class:`DeathRecord` is what callers are told: the current error, the last
@@ -31,6 +32,7 @@ from collections.abc import Awaitable, Callable
 
 import ray
 
+from ..core.dispatch import worker_data_ranks
 from .aio import quiet
 from .errors import (
     NODE_LOST,
@@ -216,17 +218,21 @@ class Health:
         """A worker's call ``seq`` raised: check whether peers are left inside that call, stuck
         in a collective (the gang then goes). The reporting rank's next call waits for the
         check's end (``Dispatcher.verdict``). A gang without torch.distributed has no
-        collective to be stuck in, nor a ``balanced`` call (its data-parallel groups run their
-        own chunks): no check, and a balanced call hands out no more chunks. Ranks still on
-        an earlier call are not stuck by this one's failure."""
+        collective to be stuck in: no check. A ``balanced`` call hands out no more chunks; its
+        data-parallel groups run their own chunks, so only the failed rank's tp/pp peers are
+        checked (none when it has no peer). Ranks still on an earlier call are not stuck by
+        this one's failure."""
         self.state.chunks.drop(seq)
         grace = self.state.spec.stuck_grace_s
-        if (balanced or grace is None or not self.state.distributed
-                or not self.state.current(gen)):
+        if grace is None or not self.state.distributed or not self.state.current(gen):
+            return
+        among = self._peers(rank) if balanced else None
+        if among is not None and len(among) <= 1:
             return
         self.reported.setdefault(seq, set()).add(rank)
         if seq not in self.suspects:
-            check = asyncio.ensure_future(self._check_stuck(gen, seq, rank, method, cause, grace))
+            check = asyncio.ensure_future(self._check_stuck(gen, seq, rank, method, cause, grace,
+                                                            among))
             self.suspects[seq] = check
 
             def done(_: object) -> None:
@@ -235,10 +241,20 @@ class Health:
 
             check.add_done_callback(done)
 
-    async def _check_stuck(self, gen, seq, rank, method, cause, grace) -> None:
-        """Ask the ranks what they run, soon and then less often, until none but those that
-        reported this call's failure is inside it (nothing stuck: the check ends), or the
-        grace has passed with some still inside (stuck: the gang goes)."""
+    def _peers(self, rank: int) -> list[int]:
+        """The ranks of ``rank``'s data-parallel group (its tp/pp peers and itself): those that
+        share a balanced call's collectives with it."""
+        spec = self.state.spec
+        _, data = worker_data_ranks(len(self.state.slots), spec.mesh, spec.group.gpus_per_worker)
+        return [r for r, d in enumerate(data) if d == data[rank]]
+
+    async def _check_stuck(self, gen, seq, rank, method, cause, grace,
+                           among: list[int] | None = None) -> None:
+        """Ask the ranks (``among`` them; None: all) what they run, soon and then less often,
+        until none but those that reported this call's failure is inside it (nothing stuck:
+        the check ends), or the grace has passed with some still inside (stuck: the gang
+        goes). A balanced call asks only the failed rank's data-parallel group: the other
+        groups run chunks of their own, never a collective with it."""
         st = self.state
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
@@ -249,15 +265,16 @@ class Health:
                 return
             past = loop.time() >= deadline
             workers = list(st.workers)
-            asks = [asyncio.ensure_future(quiet(w.progress.remote())) for w in workers]
+            ranks = list(range(len(workers))) if among is None else among
+            asks = [asyncio.ensure_future(quiet(workers[r].progress.remote())) for r in ranks]
             done, _ = await asyncio.wait(asks, timeout=PROGRESS_QUERY_S if past else delay)
             reported = self.reported.get(seq, set())
-            answers = [t.result() if t in done else LATE for t in asks]
+            answers = [(r, t.result() if t in done else LATE) for r, t in zip(ranks, asks, strict=True)]
             # a rank not yet at the call may still enter it: only ranks past it end the check
-            if all(r in reported or _past(a, seq) for r, a in enumerate(answers)):
+            if all(r in reported or _past(a, seq) for r, a in answers):
                 return
             if past:  # no answer in time: as good as inside (a failed ask, None: a death's)
-                inside = [r for r, a in enumerate(answers)
+                inside = [r for r, a in answers
                           if r not in reported and (a is LATE or (a is not None and a[0] == seq))]
                 if inside and st.current(gen):
                     await self.on_failure(GangStuckError(

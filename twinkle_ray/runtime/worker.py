@@ -276,7 +276,8 @@ class GangWorker:
             ray.get(d.report_failure.remote(self.info.generation, task.seq, self.info.rank,
                                             task.method, cause, task.balance is not None),
                     timeout=REPORT_TIMEOUT_S)
-            if info_grace(self.info) is not None and task.balance is None:
+            if info_grace(self.info) is not None and (task.balance is None
+                                                      or task.balance.peers > 1):
                 self.verdict_of = task.seq
         except Exception:  # the dispatcher is gone or busy: raising the error matters more
             logger.debug("could not report a failure to the dispatcher", exc_info=True)

@@ -73,6 +73,23 @@ def check_targets(source: Any, targets: Sequence[Any]) -> None:
         seen[key] = i
 
 
+def check_settings(timeout_s: Any, bucket_mb: Any, backend: Any) -> None:
+    """Refuse settings no sync can run with (``ValueError`` naming the setting), before any side effect:
+    ``timeout_s`` and ``bucket_mb`` positive numbers, ``backend`` None, 'gloo' or 'nccl'.
+
+    >>> check_settings(60, 32, None)
+    >>> check_settings(0, 32, None)
+    Traceback (most recent call last):
+    ...
+    ValueError: weight sync: timeout_s must be a positive number of seconds, got 0
+    """
+    for name, value, unit in (("timeout_s", timeout_s, " of seconds"), ("bucket_mb", bucket_mb, " of MB")):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(f"weight sync: {name} must be a positive number{unit}, got {value!r}")
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"weight sync: backend must be None (chosen by the ends), 'gloo' or 'nccl', got {backend!r}")
+
+
 def check_names(names: Sequence[str] | None, known: Any, trainer: Any) -> list[str] | None:
     """``names`` as a list, refused (``ValueError`` naming them) when the trainer lacks any of them
     (``known``: the trainer's tensor names, None when not known yet); a bare string is refused too."""
@@ -104,6 +121,7 @@ class WeightSync:
         self.source = source
         self.targets = list(targets) if isinstance(targets, list | tuple) else [targets]
         check_targets(source, self.targets)
+        check_settings(timeout_s, bucket_mb, backend)
         self.backend, self.timeout_s, self.bucket_mb = backend, timeout_s, bucket_mb
         self.channel = f"ws-{uuid.uuid4().hex[:10]}"
         self.backend_used: str | None = backend
@@ -156,21 +174,33 @@ class WeightSync:
         self._generations = self._gang_generations()
         return [(self.source, src), *zip(self.targets, tgt, strict=True), (self.source, setup), *joins]
 
-    def _gang_generations(self) -> tuple:
+    def _gang_generations(self, must_answer: bool = False) -> tuple:
         """Which build of each gang runs now (its dispatcher answers at once): a rebuilt gang holds no
-        pairs. Every gang is asked at once: one round trip per sync, whatever the number of gangs."""
+        pairs. Every gang is asked at once: one round trip per sync, whatever the number of gangs, and
+        none waited on longer than ``timeout_s``. A gang closed or gone reads None (the sync says so);
+        one whose dispatcher does not answer in time reads None too, or (``must_answer``: before a sync
+        submits anything) raises CallTimeoutError naming the gang and the channel."""
         import ray
 
+        gangs = [self.source, *self.targets]
         refs = []
-        for g in [self.source, *self.targets]:
+        for g in gangs:
             try:
                 refs.append(g.topology_ref())
             except Exception:  # closed: the sync will say so
                 refs.append(None)
+        asked = [r for r in refs if r is not None]
+        ready = set(ray.wait(asked, num_returns=len(asked), timeout=self.timeout_s)[0]) if asked else set()
+        silent = [g for g, r in zip(gangs, refs, strict=True) if r is not None and r not in ready]
+        if silent and must_answer:
+            from ..runtime.errors import CallTimeoutError
+
+            raise CallTimeoutError(f"weight sync {self.channel}: the dispatcher of {silent[0]!r} did not "
+                                   f"answer within {self.timeout_s:g}s (timeout_s); nothing was sent", [])
         out = []
         for ref in refs:
             try:
-                t = ray.get(ref) if ref is not None else None
+                t = ray.get(ref, timeout=0) if ref in ready else None
                 out.append(None if t is None else (t["dispatcher_id"], t["generation"]))
             except Exception:  # gone: the sync will say so
                 out.append(None)
@@ -184,7 +214,7 @@ class WeightSync:
                 last.get()  # finished: reading it never waits
             except Exception:  # kept in the handle for its owner; it marked the channel for set-up
                 pass
-        if self._ok and self._gang_generations() != self._generations:
+        if self._ok and self._gang_generations(must_answer=True) != self._generations:
             self._ok = False
 
     def known_names(self, wait: bool = False) -> set[str] | None:
@@ -374,11 +404,17 @@ def sync_weights(
     >>> # handle = sync_weights(trainer, [sampler_a, sampler_b], wait=False); ...; twinkle_ray.get(handle)
     """
     samplers = list(sampler) if isinstance(sampler, list | tuple) else [sampler]
+    # every input is checked before any side effect (closing a channel, a sampler leaving it): a
+    # refused call changes nothing
     check_targets(trainer, samplers)
+    check_settings(timeout_s, bucket_mb, backend)
+    names = check_names(names, None, trainer)
     if not _is_gang(trainer):
         return WeightSync(trainer, samplers).sync(names=names, only_changed=only_changed, wait=wait)
     reg = _registry()
     ws = reg.find(trainer)
+    if ws is not None and names is not None:  # the trainer's names, as its channel knows them
+        check_names(names, ws.known_names(wait=wait), trainer)
     if ws is not None and (ws.timeout_s, ws.bucket_mb, ws.backend) != (timeout_s, bucket_mb, backend):
         logger.info("weight sync %s: settings changed; closing it for a new channel", ws.channel)
         ws.close()

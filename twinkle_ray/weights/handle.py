@@ -29,52 +29,74 @@ SYNC_GRACE_S = 3.0  # after one end of a sync failed, how long the others get to
 SETTLE_READ_S = 30.0  # reading the outcome of an end that has finished or was torn down
 
 
-def settle(channel: str, ends: list, wait_s: float | None, abort_late: bool = True) -> list[int]:
-    """Wait for every end of a sync (a list of (gang, LazyResult)); the indices of the failed ends,
-    first first. Past ``wait_s`` (None: no limit), ends still running are torn down
-    (``abort_late``) or CallTimeoutError is raised."""
+def settle(channel: str, ends: list, wait_s: float | None, abort_late: bool = True
+           ) -> tuple[list[int], dict[int, BaseException]]:
+    """Wait for every end of a sync (a list of (gang, LazyResult)), all of them at once: their
+    dispatchers' replies and then their outputs are read together (``ray.wait``), so an end that
+    failed is seen at once, wherever it is in the list; the others then get ``SYNC_GRACE_S``.
+    Past ``wait_s`` (None: no limit), ends still running are torn down (``abort_late``) or
+    CallTimeoutError is raised. Returns (the indices of the failed ends, first first; the errors
+    of the ends whose call never started, their reply not come: each names its gang and the
+    channel). The others have finished or were torn down."""
     import ray
 
-    owner: dict = {}
+    asking = {lazy.reply_ref: k for k, (_, lazy) in enumerate(ends)}  # replies not read yet
+    owner: dict = {}  # output ref -> its end
+    pending: set = set()
     failed: list[int] = []
-    asked = time.monotonic()
-    for k, (_, lazy) in enumerate(ends):
-        # A call waits in its dispatcher (a rebuild, a stuck check) before its reply comes back:
-        # a caller's bound (abort_late False: get(timeout)) covers that wait too.
-        bound = None if abort_late or wait_s is None else max(0.0, wait_s - (time.monotonic() - asked))
-        try:
-            owner.update({ref: k for ref in lazy.reply(bound).refs})
-        except CallTimeoutError as e:
-            if bound is None:
-                failed.append(k)
-                continue
-            raise CallTimeoutError(f"weight sync {channel}: not finished within {wait_s:g}s ({e})", []) from None
-        except Exception:  # the gang could not take the call (dead, stopped)
+    start = time.monotonic()
+    failed_at = None
+
+    def fail(k: int) -> None:
+        nonlocal failed_at
+        if k not in failed:
             failed.append(k)
-    start = time.monotonic() if abort_late or wait_s is None else asked
-    failed_at = start if failed else None
-    pending = list(owner)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1, fetch_local=False)
+        failed_at = failed_at or time.monotonic()
+
+    while asking or pending:
+        refs = [*asking, *pending]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0.1, fetch_local=False)
         for ref in ready:
-            try:
-                ray.get(ref)  # small: sync stats, or the error
-            except Exception:
-                if owner[ref] not in failed:
-                    failed.append(owner[ref])
-                failed_at = failed_at or time.monotonic()
+            k = asking.pop(ref, None)
+            if k is None:  # an output: small (sync stats, or the error)
+                pending.discard(ref)
+                try:
+                    ray.get(ref)
+                except Exception:
+                    fail(owner[ref])
+                continue
+            try:  # the reply is here: reading it waits only for a large reply's bundle
+                outs = ends[k][1].reply(SETTLE_READ_S).refs
+            except Exception:  # the gang could not take the call (dead, stopped)
+                fail(k)
+                continue
+            owner.update(dict.fromkeys(outs, k))
+            pending.update(outs)
         now = time.monotonic()
         if failed_at is not None and now - failed_at >= SYNC_GRACE_S:
             break
         if wait_s is not None and now - start >= wait_s:
             if not abort_late:
-                late = sorted({owner[r] for r in pending})
-                raise CallTimeoutError(f"weight sync {channel}: not finished within {wait_s:g}s "
-                                       f"(still running on {[repr(ends[k][0]) for k in late]})",
-                                       [])
-            if owner[pending[0]] not in failed:
-                failed.append(owner[pending[0]])
+                running = sorted({owner[r] for r in pending})
+                raise CallTimeoutError(
+                    f"weight sync {channel}: not finished within {wait_s:g}s"
+                    + (f" (still running on {[repr(ends[k][0]) for k in running]})" if running else "")
+                    + (f" (not started on any rank of {[repr(ends[k][0]) for k in sorted(asking.values())]}:"
+                       f" it waits in their dispatchers)" if asking else ""), [])
+            late = sorted([*asking.values(), *{owner[r] for r in pending}])
+            if late and late[0] not in failed:
+                failed.append(late[0])
             break
+    waited = time.monotonic() - start
+    unstarted: dict[int, BaseException] = {}
+    for k in sorted(asking.values()):  # never started: nothing to tear down (a pair's first wait
+        gang, lazy = ends[k]  # is bounded by timeout_s once it starts: it fails on its own)
+        unstarted[k] = CallTimeoutError(
+            f"weight sync {channel}: {lazy.method}() on {gang!r} was not started on any rank within "
+            f"{waited:.3g}s (it waits in the gang's dispatcher: behind earlier calls, a stuck check or a "
+            f"rebuild, or the dispatcher does not answer)", [])
+        if k not in failed:
+            failed.append(k)
     stuck: dict[int, list[int]] = {}
     for ref in pending:
         k = owner[ref]
@@ -87,7 +109,7 @@ def settle(channel: str, ends: list, wait_s: float | None, abort_late: bool = Tr
                        channel, culprit, gang, ranks)
         gang.abort(f"weight sync {channel} failed on {culprit!r}; ranks {ranks} were "
                     f"still inside it {SYNC_GRACE_S:g}s later", ranks)
-    return failed
+    return failed, unstarted
 
 
 class SyncHandle(Pending):
@@ -138,10 +160,12 @@ class SyncHandle(Pending):
 
         ws = self._ws
         bound = self._bound if timeout is None else timeout
-        order = settle(ws.channel, self._ends, bound, abort_late=timeout is None)
-        errors: dict[int, BaseException] = {}
+        order, unstarted = settle(ws.channel, self._ends, bound, abort_late=timeout is None)
+        errors: dict[int, BaseException] = dict(unstarted)
         values: dict[int, Any] = {}
         for k, (_, lazy) in enumerate(self._ends):  # every end has finished or been torn down by now
+            if k in errors:  # never started: its error says so
+                continue
             try:
                 values[k] = get(lazy, SETTLE_READ_S)
             except Exception as e:
@@ -150,8 +174,8 @@ class SyncHandle(Pending):
         if errors:
             ws.failed()  # set up again (and send everything) on the next sync
             first_stage = self._result if self._result is not None else len(self._ends)
-            self._error = first_cause({k: root_error(e, self._ends[k][1]) for k, e in errors.items()},
-                                      order, first_stage)
+            roots = {k: root_error(e, self._ends[k][1]) for k, e in errors.items()}
+            self._error = first_cause(roots, waited_for(order, roots, unstarted), first_stage)
             return
         self._value = None if self._result is None else values[self._result][0]
         if self._value is not None:
@@ -186,6 +210,21 @@ def root_error(error: BaseException, lazy: Any) -> BaseException:
         except Exception:  # not finished, or not an exception of the call: keep the first
             continue
     return error
+
+
+def waited_for(order: list[int], errors: dict[int, BaseException], unstarted: dict) -> list[int]:
+    """``order`` with the ends that never started (``unstarted``) moved before the first end that
+    timed out: those timed out waiting for them.
+
+    >>> waited_for([0, 2, 1], {0: ValueError(), 2: TimeoutError(), 1: TimeoutError()}, {1: None})
+    [0, 1, 2]
+    """
+    timed_out = [k for k in order if isinstance(errors.get(k), TimeoutError) and k not in unstarted]
+    if not unstarted or not timed_out:
+        return order
+    rest = [k for k in order if k not in unstarted]
+    at = rest.index(timed_out[0])
+    return rest[:at] + [k for k in order if k in unstarted] + rest[at:]
 
 
 def first_cause(errors: dict[int, BaseException], order: list[int], first_stage: int) -> BaseException:

@@ -354,12 +354,17 @@ class WeightSyncMixin:
                 figures["prepare_s"] = prepare_s
             except Exception as e:  # raised after the figures are exchanged: no rank left in a collective
                 error = e
-        parts = _all_gather((get_rank(), figures, bytes_written() - w0, path))
+        parts = _all_gather((get_rank(), figures, bytes_written() - w0, path, error is not None))
+        if end is not None and any(p[4] for p in parts):
+            # a rank failed: each receiver it serves took none of this sync (taken whole or not at
+            # all), the other ranks' pieces drained unloaded: what they hold is unknown here, so the
+            # next sync (maybe made before anyone read this one's error) sends them everything
+            end.forget()
         if error is not None:
             raise error
         if get_rank() != 0:
             return []
-        sent = [(r, f) for r, f, _, _ in parts if f is not None]
+        sent = [(r, f) for r, f, *_ in parts if f is not None]
         why = ("plain" if names is None and not only_changed else
                ", ".join(([f"names={sorted(names)[:8]}"] if names is not None else [])
                          + (["only_changed"] if only_changed else [])))
@@ -377,7 +382,7 @@ class WeightSyncMixin:
                           names=sorted({n for _, f in sent for n in f["names"]}),
                           backend=next((f["backend"] for _, f in sent), ""),
                           receivers=max((f["receivers"] for _, f in sent), default=0), lanes=len(sent),
-                          path=path, sent_bytes={f"rank {r}": w for r, _, w, _ in parts},
+                          path=path, sent_bytes={f"rank {r}": w for r, _, w, *_ in parts},
                           payload_bytes={f"rank {r}": f["bytes"] for r, f in sent})
         logger.info("weight sync %s: %s path, %s", channel, path, stats)
         return [stats]
