@@ -16,6 +16,10 @@ the zero-overhead pull makespan is ``PULL_S``. Measured in the same run:
 - **no-op requests/s**: ``NOOP_ITEMS`` zero-length requests through the same gang, read with
   ``as_completed()``; where a request's time goes: the ask (one ``next_chunk`` round trip to
   the dispatcher, measured from the driver, sequential and K at once).
+- **a weight sync mid-stream**: the same requests on engines that also take weights
+  (``WeightSyncMixin``, a 64x64 model) from a one-rank trainer; once the first result is in,
+  ``sync_weights(trainer, engines)`` (its channel set up before): its wall time, whether it
+  returned while the stream still ran, and how many requests started on the new weights.
 
 Example::
 
@@ -34,6 +38,7 @@ import ray
 import twinkle_ray as twinkle
 from twinkle_ray import DeviceGroup, DeviceMesh, remote_class, remote_function
 from twinkle_ray.core.balance import batch_sync_schedule, pull_schedule
+from twinkle_ray.weights import WeightSyncMixin, sync_weights
 
 ENGINES = 2
 K = 8
@@ -71,6 +76,43 @@ class SleepEngine:
 
         asyncio.run(together())
         return lengths
+
+
+@remote_class(distributed=False)
+class SyncedEngine(WeightSyncMixin, SleepEngine):
+    """A sleep engine that takes weights (paused at its requests' awaits while they load)."""
+
+    def __init__(self, device_mesh=None):
+        import torch
+
+        self.model = torch.nn.Linear(64, 64)
+
+
+@remote_class(distributed=False)
+class WeightSource(WeightSyncMixin):
+    def __init__(self, device_mesh=None):
+        import torch
+
+        self.model = torch.nn.Linear(64, 64)
+
+
+def _sync_mid_stream(trainer, engines, work: list[float]) -> tuple[float, float, bool, int]:
+    """(the sync's wall time, the stream's makespan, whether the sync returned while the stream
+    still ran, requests started on the new weights)."""
+    sync_weights(trainer, engines)  # the channel, set up before the stream
+    t0 = time.perf_counter()
+    lazy = engines.generate(work)
+    stream = lazy.as_completed(timeout=600)
+    got = [next(stream)]
+    s0 = time.perf_counter()
+    sync_weights(trainer, engines)
+    sync_s = time.perf_counter() - s0
+    running = not lazy.done()
+    got += list(stream)
+    span = time.perf_counter() - t0
+    assert len(got) == len(work)
+    new = max(c.versions[1] for c in got)
+    return sync_s, span, running, sum(1 for c in got if c.versions[0] == new)
 
 
 def lengths(n: int = ITEMS, pull_s: float = PULL_S) -> list[float]:
@@ -114,11 +156,13 @@ def bench_inflight(cfg, items: int = ITEMS, pull_s: float = PULL_S, noop_items: 
     no-op requests per second through one gang (``own_runtime`` False: in the runtime already
     initialised, as a test does, at smaller sizes)."""
     repeats = max(1, min(3, cfg.chain_repeats))
-    group = DeviceGroup("b11", ENGINES, "cpu")
+    groups = [DeviceGroup("b11", ENGINES, "cpu"),
+              DeviceGroup("b11-synced", ENGINES, "cpu", cpus_per_worker=0.25),
+              DeviceGroup("b11-trainer", 1, "cpu", cpus_per_worker=0.25)]
     if own_runtime:
-        twinkle.initialize("ray", groups=[group], namespace="twinkle-bench")
+        twinkle.initialize("ray", groups=groups, namespace="twinkle-bench")
     else:
-        twinkle.initialize(groups=[group])
+        twinkle.initialize(groups=groups)
     gang = SleepEngine(device_mesh=DeviceMesh.from_sizes(dp_size=ENGINES), remote_group="b11")
     work = lengths(items, pull_s)
     zero = [0.0] * noop_items
@@ -136,6 +180,10 @@ def bench_inflight(cfg, items: int = ITEMS, pull_s: float = PULL_S, noop_items: 
         dispatcher = ray.get_actor(topo["label"], namespace=ray.get_runtime_context().namespace)
         ask_seq = _asks(dispatcher, topo["generation"], 1)
         ask_k = _asks(dispatcher, topo["generation"], K)
+        synced = SyncedEngine(device_mesh=DeviceMesh.from_sizes(dp_size=ENGINES),
+                              remote_group="b11-synced")
+        trainer = WeightSource(remote_group="b11-trainer")
+        sync_s, sync_span, sync_in_flight, started_new = _sync_mid_stream(trainer, synced, work)
     finally:
         twinkle.shutdown()
     pull, pull_first = pull_schedule(work, ENGINES * K)
@@ -160,6 +208,10 @@ def bench_inflight(cfg, items: int = ITEMS, pull_s: float = PULL_S, noop_items: 
          "per_request_group_ms": noop * ENGINES / noop_items * 1000,
          "ask_ms": ask_seq * 1000, "ask_k_ms": ask_k * 1000,
          "target": f">= {TARGET_RPS:,.0f} requests/s", "checks": (("requests_per_s", ">=", TARGET_RPS),)},
+        {"name": f"B11 weight sync mid-stream ({items} requests, {ENGINES} engines x {K})", "b11": True,
+         "unit": "s", "twinkle_s": sync_s, "raw_s": sync_span, "ratio": sync_s / sync_span,
+         "in_flight": int(sync_in_flight), "started_on_new": started_new,
+         "target": "returns while the stream runs", "checks": (("in_flight", ">=", 1),)},
     ]
     return rows
 
@@ -175,6 +227,12 @@ def table_lines(rows: list[dict], check) -> list[str]:
             lines.append(f"   per request on a group's path {row['per_request_group_ms']:.2f} ms; one ask "
                          f"(next_chunk round trip) {row['ask_ms']:.2f} ms alone, {row['ask_k_ms']:.2f} ms "
                          f"each with {K} in flight")
+            continue
+        if "in_flight" in row:
+            lines.append(f"{row['name']:<72} {row['twinkle_s']:8.3f} s sync in a {row['raw_s']:.3f} s "
+                         f"stream  {check(row)}")
+            lines.append(f"   returned while requests were in flight: {bool(row['in_flight'])}; "
+                         f"{row['started_on_new']} request(s) started on the new weights")
             continue
         lines.append(f"{row['name']:<72} {row['twinkle_s']:8.3f} s vs {row['raw_s']:8.3f} s "
                      f"{row['ratio']:6.3f}x  {check(row)}")

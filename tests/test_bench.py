@@ -167,8 +167,8 @@ def test_b6_paths_times_both_paths_and_raw_at_every_size(runtime):
 
 @pytest.mark.slow
 def test_b11_in_flight_rows(runtime):
-    """bench.inflight (B11, run on request): a tiny run on the session's Ray gives its four
-    rows, each with positive figures and its own target."""
+    """bench.inflight (B11, run on request): a tiny run on the session's Ray gives its five
+    rows (the last: a weight sync mid-stream), each with positive figures and its own target."""
     from bench import cases, inflight
 
     cfg = cases.Config.quick()
@@ -177,6 +177,8 @@ def test_b11_in_flight_rows(runtime):
     assert [r["name"].rsplit(": ", 1)[-1] for r in rows[:3]] == [
         "stream vs zero-overhead pull", "time to first result", "stream vs batch-synchronous loop"]
     assert rows[3]["requests_per_s"] > 0 and rows[3]["ask_ms"] > 0
+    assert rows[4]["name"].startswith("B11 weight sync mid-stream") and rows[4]["in_flight"] in (0, 1)
+    assert 0 <= rows[4]["started_on_new"] <= 48
     for r in rows:
         assert r["b11"] and r["target"] and r["checks"], r["name"]
         assert r["twinkle_s"] > 0 and r["raw_s"] > 0 and math.isfinite(r["ratio"]), r

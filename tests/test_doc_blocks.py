@@ -451,6 +451,7 @@ PY_WHO_RUNS = {
         SKETCH + "tests/test_balance.py",
     "docs/concepts.md: @remote_function(dispatch=\"balance\", collect=\"flatten\", chunk_size=1, in_flight=8)":
         SKETCH + "tests/test_inflight.py",
+    "docs/concepts.md: class Sampler(WeightSyncMixin):": SKETCH + "tests/test_inflight.py",
     "docs/deploy.md: from ray import serve": SKETCH + "examples/serve_sampler.py (this file's Serve steps)",
     "docs/failures.md: try:": SKETCH + "tests/test_failures.py",
     "docs/failures.md: @remote_class(max_restarts=3)": SKETCH + "tests/test_restarts.py",

@@ -39,11 +39,6 @@ DROPPED_KEPT = 1024  # how many ended calls a ChunkTable remembers (so a late as
 
 Positions = list[tuple[int, int]]
 
-# The attribute a weight-synced instance counts its applied syncs in (weights.mixin bumps it
-# after each sync it received; a balanced chunk reads it when it starts and when it ends).
-WEIGHT_VERSION_ATTR = "_twinkle_weight_version"
-
-
 class Completed(NamedTuple):
     """One item of a balanced call, as :meth:`LazyResult.as_completed` yields it.
 
@@ -56,16 +51,6 @@ class Completed(NamedTuple):
     value: Any
     rank: int
     versions: tuple[int, int]
-
-
-def weight_version(instance: Any) -> int:
-    """How many weight syncs ``instance`` has applied (0: none, or not a synced class).
-
-    >>> class M: pass
-    >>> m = M(); weight_version(m), setattr(m, WEIGHT_VERSION_ATTR, 3), weight_version(m)
-    (0, None, 3)
-    """
-    return getattr(instance, WEIGHT_VERSION_ATTR, 0)
 
 
 def chunk_items(start: int, stop: int, value: Any, rank: int, versions: tuple[int, int]

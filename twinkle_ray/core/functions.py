@@ -41,6 +41,8 @@ class RemoteFunction:
         timeout: float | None = None,
         chunk_size: int | None = None,
         in_flight: int = 1,
+        max_staleness: int | None = None,
+        beside: bool = False,
     ):
         check_dispatch(dispatch)
         check_execute(execute)
@@ -49,9 +51,14 @@ class RemoteFunction:
             raise ValueError(f"remote_function timeout must be positive, got {timeout!r}")
         check_balance(dispatch, execute, collect, chunk_size)
         check_in_flight(in_flight, dispatch, fn)
+        check_max_staleness(max_staleness, dispatch)
         self.fn = fn
         self.chunk_size = chunk_size
         self.in_flight = in_flight
+        self.max_staleness = max_staleness
+        # the runtime's own endpoints (the weight receive): the call may run beside a balanced
+        # call running on the gang instead of queueing behind it (runtime.beside)
+        self.beside = bool(beside)
         self.dispatch = dispatch
         self.execute = execute
         self.collect = collect
@@ -70,6 +77,28 @@ class RemoteFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
+
+    @classmethod
+    def marked(cls, **options: Any) -> Callable[[Callable], RemoteFunction]:
+        """``remote_function``, with the runtime's own marks too (``beside``: the weight
+        receive runs beside a running balanced call); for the runtime's endpoints."""
+        cls(None, **options)  # checked now
+        return lambda fn: cls(fn, **options)
+
+    def replaced(self, **changes: Any) -> RemoteFunction:
+        """A copy with ``changes`` (checked as at decoration; ValueError otherwise).
+
+        >>> f = RemoteFunction(None, dispatch="balance", chunk_size=1)
+        >>> f.replaced(max_staleness=2).max_staleness, f.max_staleness
+        (2, None)
+        """
+        keys = ("dispatch", "execute", "collect", "sync", "lazy_collect", "timeout", "chunk_size",
+                "in_flight", "max_staleness", "beside")
+        unknown = sorted(set(changes) - set(keys))
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown}; known: {list(keys)}")
+        options = {k: changes.get(k, getattr(self, k)) for k in keys}
+        return RemoteFunction(self.fn, **options)
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__qualname__", "?")
@@ -123,6 +152,24 @@ def check_in_flight(in_flight: Any, dispatch: Any, fn: Callable | None) -> None:
                          f"run concurrently on the worker's event loop); {name} is a plain method")
 
 
+def check_max_staleness(max_staleness: Any, dispatch: Any) -> None:
+    """ValueError for a ``max_staleness`` that is neither None nor an int >= 0, and for one on
+    a method that is not ``dispatch='balance'`` (only a balanced call's items carry versions).
+
+    >>> check_max_staleness(0, "balance")
+    >>> check_max_staleness(-1, "balance")
+    Traceback (most recent call last):
+    ValueError: max_staleness must be None or an int >= 0, got -1
+    """
+    if max_staleness is None:
+        return
+    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+        raise ValueError(f"max_staleness must be None or an int >= 0, got {max_staleness!r}")
+    if dispatch != "balance":
+        raise ValueError(f"max_staleness={max_staleness} needs dispatch='balance' (got "
+                         f"dispatch={dispatch!r}): only a balanced call's items carry weight versions")
+
+
 def is_async(spec: RemoteFunction) -> bool:
     """Whether the method is ``async def`` (a balanced call runs it on the worker's own loop)."""
     return spec.fn is not None and inspect.iscoroutinefunction(spec.fn)
@@ -145,6 +192,7 @@ def remote_function(
     timeout: float | None = None,
     chunk_size: int | None = None,
     in_flight: int = 1,
+    max_staleness: int | None = None,
 ) -> Callable[[Callable], RemoteFunction]:
     """Mark a method of a remote class with how calls split, run and join.
 
@@ -175,6 +223,11 @@ def remote_function(
             keeps running at once (default 1). Above 1 the method must be ``async def``
             (ValueError otherwise, here): the worker runs its coroutines concurrently on an
             event loop of its own and asks for the next chunk the moment one finishes.
+        max_staleness: ``dispatch='balance'`` only: an item whose first weight version
+            falls more than this many syncs behind the gang's is aborted (its coroutine
+            cancelled) and re-run under the new weights on the same worker, so every item
+            delivered has ``versions[1] - versions[0] <= max_staleness``. None: unbounded.
+            Per call: ``gang.method.options(max_staleness=s)(...)``.
 
     Returns:
         The method decorator (it wraps the method in a ``RemoteFunction``).
@@ -196,7 +249,7 @@ def remote_function(
     """
     options = dict(dispatch=dispatch, execute=execute, collect=collect, sync=sync,
                    lazy_collect=lazy_collect, timeout=timeout, chunk_size=chunk_size,
-                   in_flight=in_flight)
+                   in_flight=in_flight, max_staleness=max_staleness)
     RemoteFunction(None, **options)  # validate now, not when the method is decorated
 
     def decorate(fn: Callable) -> RemoteFunction:

@@ -62,7 +62,6 @@ from ..core.balance import (
     join_items,
     list_length,
     pick_chunk_size,
-    weight_version,
 )
 from ..core.dispatch import worker_data_ranks
 from ..core.functions import RemoteFunction
@@ -88,6 +87,7 @@ class BalanceHead:
     # the gang rank whose results stand for the group (its first on the last pp stage:
     # core.balance.group_readers); its peers return none (None: every worker its own)
     reader: int | None = None
+    max_staleness: int | None = None  # versions an item may fall behind before it is re-run
 
 
 @dataclass
@@ -145,7 +145,8 @@ def split(name: str, spec: RemoteFunction, gang: GangRef, execute: str, args: tu
         kwargs = {k: chunked(v) for k, v in kwargs.items()}
     readers = group_readers(gang.n_workers, gang.mesh, gang.gpus_per_worker)
     heads = {d: BalanceHead(d, groups, spec.chunk_size, lazy, where, spec.in_flight,
-                            data_ranks.count(d), readers[d]) for d in set(data_ranks)}
+                            data_ranks.count(d), reader=readers[d],
+                            max_staleness=spec.max_staleness) for d in set(data_ranks)}
     return [(args, kwargs)] * len(data_ranks), [heads[d] for d in data_ranks]
 
 
@@ -196,6 +197,7 @@ def run_chunks(worker: Any, task: Any, args: tuple, kwargs: dict) -> tuple[Any, 
     loop = Loop(worker, task, head, bounds, cut_args)
     loop.args, loop.kwargs = args, kwargs
     entry = worker.streams.open(task.seq)
+    running = worker.running  # what a weight sync runs beside (made by GangWorker.run)
     try:
         if inspect.iscoroutinefunction(fn):
             worker.loop.run(_pump(loop, fn, max(1, head.in_flight), entry))
@@ -205,10 +207,12 @@ def run_chunks(worker: Any, task: Any, args: tuple, kwargs: dict) -> tuple[Any, 
                 j = ray.get(loop.ask(k))
                 if j is None:
                     break
+                if running is not None:
+                    running.between_chunks()  # a weight sync issued meanwhile lands here
                 a, kw = cut_args(j)
-                first = weight_version(worker.instance)
+                first = worker.versions.value
                 out = fn(*a, **kw)
-                loop.finished(j, out, first, entry)
+                loop.finished(j, out, (first, worker.versions.value), entry)
                 k += 1
     except BaseException:
         entry.end(failed=True)
@@ -248,13 +252,14 @@ class Loop:
             info.generation, self.task.seq, self.head.group, ks, len(self.bounds),
             info.world_size * max(1, self.head.in_flight), self.head.peers)
 
-    def finished(self, j: int, out: Any, first: int, entry: Any) -> None:
-        """Chunk j's result ``out``, checked, kept (in finish order) and noted for streams."""
+    def finished(self, j: int, out: Any, versions: tuple[int, int], entry: Any) -> None:
+        """Chunk j's result ``out``, checked, kept (in finish order) and noted for streams with
+        its ``versions`` (the gang's weight version when it started and ended)."""
         s, e = self.bounds[j]
         check_result(out, e - s, self.head.where)
         self.results.append(out)
         self.positions.append((s, e))
-        entry.add([(s, e, out, (first, weight_version(self.worker.instance)))])
+        entry.add([(s, e, out, versions)])
 
 
 async def _pump(loop: Loop, fn: Any, in_flight: int, entry: Any) -> None:
@@ -264,21 +269,66 @@ async def _pump(loop: Loop, fn: Any, in_flight: int, entry: Any) -> None:
     finishes (pull: least in flight). Each slot stops at its first None; a worker that ran
     out asks for the Nones its remaining slots are owed in one last request, so the call's
     table entry ends once every worker has had ``in_flight`` of them. The first error
-    cancels the other requests (they belong to the failed call) and is raised."""
+    cancels the other requests (they belong to the failed call) and is raised.
+
+    ``max_staleness`` s: a request whose first version falls more than s behind the gang's
+    (a weight sync landed while it ran) is cancelled and run again at once under the new
+    weights; one that ends past s is run again too: never delivered stale."""
     asks = itertools.count()
     running: set[asyncio.Future] = set()
     ended = 0  # slots told None
+    versions, s = loop.worker.versions, loop.head.max_staleness
+    watched: dict[asyncio.Future, int] = {}  # a running request's abort flag -> its first version
+    aborted = 0
+
+    def on_version(v: int) -> None:  # on the loop's thread, after each version change
+        for flag, first in list(watched.items()):
+            if v - first > s and not flag.done():
+                flag.set_result(None)
+
+    async def bounded(coro: Any, first: int) -> tuple[bool, Any]:
+        """(True, its value), or (False, None) when it was aborted stale (cancelled)."""
+        req = asyncio.ensure_future(coro)
+        flag = asyncio.get_running_loop().create_future()
+        watched[flag] = first
+        try:
+            if versions.value - first > s:  # a sync landed before the flag was watched
+                flag.set_result(None)
+            await asyncio.wait({req, flag}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            req.cancel()
+            raise
+        finally:
+            watched.pop(flag, None)
+        if req.done():
+            return True, req.result()
+        req.cancel()  # vLLM: cancelling AsyncLLM.generate's iteration aborts the request
+        await asyncio.gather(req, return_exceptions=True)
+        return False, None
 
     async def one(j: int) -> None:
+        nonlocal aborted
         # put pieces awaited, never fetched with a blocking get on the loop other requests share
         puts = {key: v.pieces[j] for key, v in [*enumerate(loop.args), *loop.kwargs.items()]
                 if isinstance(v, Chunks) and isinstance(v.pieces[j], ray.ObjectRef)}
         fetched = dict(zip(puts, await asyncio.gather(*puts.values()), strict=True)) if puts else None
         a, kw = loop.cut_args(j, fetched)
-        first = weight_version(loop.worker.instance)
-        out = await fn(*a, **kw)
-        loop.finished(j, out, first, entry)
+        while True:
+            first = versions.value
+            if s is None:
+                out = await fn(*a, **kw)
+            else:
+                ok, out = await bounded(fn(*a, **kw), first)
+            last = versions.value  # read once: what is checked is what is delivered
+            if s is not None and (not ok or last - first > s):
+                aborted += 1  # stale: run again under the new weights, never delivered
+                continue
+            loop.finished(j, out, (first, last), entry)
+            return
 
+    listener = loop.worker.loop.listener(on_version) if s is not None else None
+    if listener is not None:
+        versions.listen(listener)
     try:
         while True:
             free = in_flight - len(running) - ended
@@ -298,9 +348,20 @@ async def _pump(loop: Loop, fn: Any, in_flight: int, entry: Any) -> None:
                 if t.exception() is not None:
                     raise t.exception()
     finally:
+        if listener is not None:
+            versions.unlisten(listener)
         for t in running:
             t.cancel()
         await asyncio.gather(*running, return_exceptions=True)
+        if aborted:
+            logger.info("%s (call %s): %d request(s) aborted stale (max_staleness=%s) and run "
+                        "again under the new weights", loop.head.where, loop.task.seq, aborted, s)
+
+
+def runs_async(instance: Any, method: str) -> bool:
+    """Whether a balanced call of ``method`` runs on the worker's event loop (``async def``)."""
+    attr = getattr(type(instance), method, None)
+    return inspect.iscoroutinefunction(attr.fn if isinstance(attr, RemoteFunction) else attr)
 
 
 def _raw_method(instance: Any, method: str) -> Any:

@@ -22,17 +22,20 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import ray
 from ray.exceptions import RayError
 
-from ..core.balance import Completed, chunk_items, group_readers, total_items
+from ..core.balance import Completed, chunk_items, group_readers, join_items, take_items, total_items
 from ..core.dispatch import worker_data_ranks
 from .diagnose import fetch
-from .errors import CallTimeoutError
+from .errors import CallTimeoutError, WorkerDiedError
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED = ("a dispatch='balance' call (its result is one item per input, joined in input "
              "order); other calls give their result whole: get()")
@@ -55,8 +58,43 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
+class Requeue(NamedTuple):
+    """How a balanced call runs its undelivered items again after a death (the proxy that made
+    it sets one when its gang may be rebuilt, ``max_restarts``): ``n`` items in all;
+    ``call(indices)`` makes the same call on those items only (a LazyResult)."""
+
+    n: int
+    call: Callable[[list[int]], Any]
+
+
 def _stream(lazy: Any, reply: Any, deadline: float | None, stated: float | None, where: str,
             caller: Any) -> Iterator[Completed]:
+    """The call's items; after a death, with a :class:`Requeue`, those not delivered yet run
+    again on the rebuilt gang (each delivered once), and ``get()`` then gives every item in
+    input order."""
+    delivered: set[int] = set()
+    batches: list[tuple[int, int, Any]] = []  # what was streamed: (start, stop, value)
+    try:
+        yield from _from_gang(lazy, reply, deadline, stated, where, caller, delivered, batches)
+    except WorkerDiedError as death:
+        again = lazy._again
+        if again is None:
+            raise
+        todo = [i for i in range(again.n) if i not in delivered]
+        logger.info("%s: %s; %d of %d item(s) undelivered, re-queued on the rebuilt gang", where,
+                    str(death).splitlines()[0], len(todo), again.n)
+        rerun = again.call(todo)
+        for c in rerun.as_completed(timeout=_left(deadline)):
+            yield c._replace(index=todo[c.index])
+        items = {i: take_items(v, i - s, i - s + 1) for s, e, v in batches for i in range(s, e)}
+        value = rerun.get()
+        items.update((i, take_items(value, j, j + 1)) for j, i in enumerate(todo))
+        lazy._value = join_items([items[i] for i in range(again.n)])  # get(): input order
+        lazy._has_value = True
+
+
+def _from_gang(lazy: Any, reply: Any, deadline: float | None, stated: float | None, where: str,
+               caller: Any, delivered: set[int], batches: list) -> Iterator[Completed]:
     gang, method = lazy.gang, lazy.method
     seq, gen = reply.stream
     _, data_ranks = worker_data_ranks(len(reply.workers), gang.mesh, gang.gpus_per_worker,
@@ -68,7 +106,6 @@ def _stream(lazy: Any, reply: Any, deadline: float | None, stated: float | None,
         handles = ray.get(gang.dispatcher.stream_workers.remote(gen), timeout=_left(deadline))
     except Exception:  # the dispatcher is gone or busy: the outputs' own error path says why
         handles = None
-    delivered: set[int] = set()
 
     def check(ks: list[int]) -> list:
         """The records of workers ``ks`` (the call's error, if they failed, raised)."""
@@ -77,29 +114,44 @@ def _stream(lazy: Any, reply: Any, deadline: float | None, stated: float | None,
 
     if handles is not None:
         streams = {handles[reply.workers[k]].stream.remote(seq): (d, k) for d, k in readers.items()}
-        while streams:
-            ready, _ = ray.wait(list(streams), num_returns=1, timeout=_left(deadline))
-            if not ready:
-                late = sorted(reply.workers[k] for _, k in streams.values())
-                raise CallTimeoutError(f"{where}: rank(s) {late} did not finish within "
-                                       f"{stated:g}s (as_completed)", late)
-            for g in ready:
-                d, k = streams[g]
+        try:
+            yield from _read(streams, reply, deadline, stated, where, check, delivered, batches)
+        finally:  # abandoned (closed, dropped) or failed: the workers' readers end too
+            for g in streams:
                 try:
-                    batch = ray.get(next(g))
-                except StopIteration:
-                    del streams[g]
-                    check([k])  # raises the group's error, if it failed
-                    continue
-                except RayError:  # the worker died (or its stream broke): named by its record
-                    del streams[g]
-                    check([k])
-                    raise
-                for s, e, value, versions in batch:
-                    for c in chunk_items(s, e, value, d, versions):
-                        delivered.add(c.index)
-                        yield c
+                    ray.cancel(g)
+                except Exception:  # its worker is gone: nothing holds a thread there
+                    pass
     yield from _the_rest(lazy, reply, delivered, data_ranks, check)
+
+
+def _read(streams: dict, reply: Any, deadline: float | None, stated: float | None, where: str,
+          check: Any, delivered: set[int], batches: list) -> Iterator[Completed]:
+    """Every group's stream read to its end (``streams``: generator -> (data rank, worker);
+    each ended one is removed), items yielded as they come."""
+    while streams:
+        ready, _ = ray.wait(list(streams), num_returns=1, timeout=_left(deadline))
+        if not ready:
+            late = sorted(reply.workers[k] for _, k in streams.values())
+            raise CallTimeoutError(f"{where}: rank(s) {late} did not finish within "
+                                   f"{stated:g}s (as_completed)", late)
+        for g in ready:
+            d, k = streams[g]
+            try:
+                batch = ray.get(next(g))
+            except StopIteration:
+                del streams[g]
+                check([k])  # raises the group's error, if it failed
+                continue
+            except RayError:  # the worker died (or its stream broke): named by its record
+                del streams[g]
+                check([k])
+                raise
+            for s, e, value, versions in batch:
+                batches.append((s, e, value))
+                for c in chunk_items(s, e, value, d, versions):
+                    delivered.add(c.index)
+                    yield c
 
 
 def _the_rest(lazy: Any, reply: Any, delivered: set[int], data_ranks: list[int], check: Any

@@ -74,11 +74,16 @@ class Dispatcher:
         self._gang_ref: GangRef | None = None  # this gang (with this actor's handle)
         self._routes: Routes | None = None
         self.metrics = GangMetrics.create(spec.label, spec.metrics)
-        # (method, with record) -> (the workers list, each one's bound task method)
-        self._bound: dict[tuple[str, bool], tuple[list, list]] = {}
+        # (method, with record, beside) -> (the workers list, each one's bound task method)
+        self._bound: dict[tuple[str, bool, bool], tuple[list, list]] = {}
         # (node id, ip) of this actor: named in its death and in topology()
         self.node = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
         self.gets = ThreadedGets()  # an eager call's values (see _values_back)
+        # runtime.beside: (generation, number, its ranks) of the last call submitted to the run
+        # path when it was balanced (else None), and per rank the last beside call submitted
+        # since that rank's last call on the run path (which its next such call follows)
+        self._tail: tuple[int, int, frozenset] | None = None
+        self._beside: tuple[int, dict[int, int]] = (0, {})
 
     async def _fail(self, error: WorkerDiedError) -> None:
         await self.rebuilds.fail(error)
@@ -158,6 +163,7 @@ class Dispatcher:
         async with self.turns.turn(turn):
             workers = await self._running_workers()
             self.seq += 1
+            self._tail = None  # a sync after this save queues behind it (runtime.beside)
             outs = [w.save_state.options(num_returns=2).remote(path) for w in workers]
             try:
                 await all_or_first_error([ok for _, ok in outs])  # tiny flags; states stay put
@@ -335,29 +341,43 @@ class Dispatcher:
 
     def _submit(self, call: Call, workers: list, inputs: list) -> Reply:
         """Send a call to its ranks: one actor task per target rank, in the gang's one order
-        (the next number); returns at once with the output refs."""
+        (the next number); returns at once with the output refs. A call marked ``beside``
+        (the weight receive) right after a balanced call (with only other beside calls
+        between) goes beside it (``GangWorker.run_beside``, :mod:`~twinkle_ray.runtime.beside`);
+        every other call queues on the run path, after the beside calls before it."""
         self.seq += 1
         if self.metrics is not None:
             self.metrics.called(call.method)
         n = len(workers)
         targets = call_targets(call.execute, call.caller, n, self.spec.mesh,
                                self.spec.group.gpus_per_worker)
+        balanced = any(s.balance is not None for s in call.slices)
+        gen = self.state.generation
+        tail = self._tail if self._tail is not None and self._tail[0] == gen else None
+        after = tail[1] if call.beside and tail is not None and set(targets) <= tail[2] else None
+        if self._beside[0] != gen:
+            self._beside = (gen, {})
+        beside_of = self._beside[1]
         with_record = call.returns == "meta"
-        submit = self._submitters(call.method, with_record, workers)
+        submit = self._submitters(call.method, with_record, workers, after is not None)
         refs, records = [], []
         limit = inline_limit(len(targets))  # an eager call's inline bytes: bounded per call
         for i in targets:
             s = call.slices[call.of_rank[i]] if call.of_rank is not None else call.slices[0]
             routes = Routes.for_rank(inputs, s.split) if inputs else ()
+            follows = None if after is not None else beside_of.pop(i, None)
             task = Task(call.method, self.seq, call.returns, s.args, s.kwargs, s.nested, routes,
-                        s.split, s.balance, s.reslice, limit)
+                        s.split, s.balance, s.reslice, limit, after, follows, call.version)
+            if after is not None:
+                beside_of[i] = self.seq
             if with_record:
                 out, record = submit[i].remote(task, s.tops)
                 records.append(record)
             else:
                 out = submit[i].remote(task, s.tops)
             refs.append(out)
-        balanced = any(s.balance is not None for s in call.slices)
+        if after is None:
+            self._tail = (gen, self.seq, frozenset(targets)) if balanced else None
         return Reply(refs=refs, records=records, workers=targets, balanced=balanced,
                      stream=(self.seq, self.state.generation) if balanced else None)
 
@@ -386,17 +406,20 @@ class Dispatcher:
         return list(self.state.workers)
 
     # -- submitting ----------------------------------------------------------------------------
-    def _submitters(self, method: str, with_record: bool, workers: list) -> list:
-        """Each worker's bound ``run`` for ``method`` (two returns when the outputs keep a
-        record), named 'group/Class.method' in Ray's task list and timeline ('Class.method'
-        with metrics off: Ray keeps a ``ray_tasks`` metric series per task name, so the name
-        does not grow with the gangs made). Made once per method and set of workers."""
-        key = (method, with_record)
+    def _submitters(self, method: str, with_record: bool, workers: list, beside: bool = False
+                    ) -> list:
+        """Each worker's bound ``run`` (``beside``: ``run_beside``) for ``method`` (two returns
+        when the outputs keep a record), named 'group/Class.method' in Ray's task list and
+        timeline ('Class.method' with metrics off: Ray keeps a ``ray_tasks`` metric series per
+        task name, so the name does not grow with the gangs made). Made once per method and
+        set of workers."""
+        key = (method, with_record, beside)
         hit = self._bound.get(key)
         if hit is not None and hit[0] is workers:
             return hit[1]
         name = f"{self.spec.label if self.spec.metrics else self.spec.cls_name}.{method}"
-        bound = [w.run.options(num_returns=2 if with_record else 1, name=name) for w in workers]
+        bound = [(w.run_beside if beside else w.run).options(num_returns=2 if with_record else 1,
+                                                             name=name) for w in workers]
         self._bound[key] = (workers, bound)
         return bound
 

@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 from collections import OrderedDict
@@ -60,6 +61,23 @@ class WorkerLoop:
     def run(self, coro: Any) -> Any:
         """Run ``coro`` on the loop and wait for its result (raised as itself)."""
         return asyncio.run_coroutine_threadsafe(coro, self._start()).result()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` on the loop's thread (awaited there when it returns an awaitable) and
+        wait for its result: while it blocks, every coroutine of the loop waits at an await."""
+        return self.run(_called(fn))
+
+    def listener(self, fn: Callable[[Any], None]) -> Callable[[Any], None]:
+        """``fn`` made safe to call from any thread: it runs on the loop's thread."""
+        loop = self._start()
+        return lambda value: loop.call_soon_threadsafe(fn, value)
+
+
+async def _called(fn: Callable[[], Any]) -> Any:
+    out = fn()
+    if inspect.isawaitable(out):
+        out = await out
+    return out
 
 
 class Entry:
@@ -112,14 +130,16 @@ class StreamBook:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def read(self, seq: int, ended: Callable[[], int]) -> Iterator[list[tuple]]:
+    def read(self, seq: int, ended: Callable[[], int],
+             cancelled: Callable[[], bool] = lambda: False) -> Iterator[list[tuple]]:
         """Call ``seq``'s finished chunks in the order they finished, in batches (all that
         finished since the last batch); ends when the call has ended here (its entry is then
         forgotten), at once when it is gone or ``ended()`` (the worker's last ended call)
-        has passed it without one (it never ran here: another generation's call)."""
+        has passed it without one (it never ran here: another generation's call), and within
+        ``POLL_S`` once ``cancelled()`` (its reader went away: the thread is free again)."""
         with self.cond:
             while seq not in self.entries:
-                if seq in self.gone or ended() >= seq:
+                if seq in self.gone or ended() >= seq or cancelled():
                     return
                 self.cond.wait(POLL_S)
             entry = self.entries[seq]
@@ -127,6 +147,8 @@ class StreamBook:
         while True:
             with self.cond:
                 while at >= len(entry.items) and not entry.ended:
+                    if cancelled():
+                        return
                     self.cond.wait(POLL_S)
                 batch, at = entry.items[at:], len(entry.items)
                 last = entry.ended and at >= len(entry.items)

@@ -84,7 +84,7 @@ class LazyResult(Pending, Routable):
     """
 
     __slots__ = ("reply_ref", "_reply", "_value", "_has_value", "collect", "gang", "method",
-                 "timeout", "turn", "_caller", "_previous")
+                 "timeout", "turn", "_caller", "_previous", "_again")
 
     def __init__(self, reply_ref: Any, *, collect: Any, gang: GangRef, method: str,
                  timeout: float | None = None, reply: Reply | None = None,
@@ -96,6 +96,9 @@ class LazyResult(Pending, Routable):
         # that proxy's record of this call (proxy.Previous): told once the reply is here, so the
         # proxy's next call need not wait on it (never pickled)
         self._previous = previous
+        # a balanced call's way to run its undelivered items again on the rebuilt gang after a
+        # death (completed.Requeue; set by the proxy that made it, never pickled)
+        self._again = None
         self.turn = turn  # (caller id, number): its dispatcher knows the reply by it a while
         self._value = None
         self._has_value = False

@@ -34,6 +34,7 @@ from ..core.functions import DEFAULT_FUNCTION, RemoteFunction
 from ..core.platform import Platform
 from ..core.saved import kept_saves
 from . import balance
+from .completed import Requeue
 from .diagnose import Caller, GangRef, fetch
 from .errors import WorkerDiedError
 from .lazy import LazyResult
@@ -65,8 +66,37 @@ class RemoteMethod:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.proxy._call(self.name, self.spec, args, kwargs)
 
+    def options(self, *, max_staleness: int | None = None) -> RemoteMethod:
+        """This method with per-call settings: ``max_staleness`` (a ``dispatch='balance'``
+        method only; an int >= 0 or None: see ``remote_function``). ValueError otherwise.
+
+        Example::
+
+            rollouts = sampler.generate.options(max_staleness=1)(prompts)
+        """
+        try:
+            spec = self.spec.replaced(max_staleness=max_staleness)
+        except ValueError as e:
+            raise ValueError(f"{self.proxy._gang.cls_name}.{self.name}(): {e}") from None
+        return RemoteMethod(self.proxy, self.name, spec)
+
     def __repr__(self) -> str:
         return f"<remote method {self.proxy._gang.cls_name}.{self.name} on '{self.proxy._gang.group}'>"
+
+
+def _pick(args: tuple, kwargs: dict, todo: list[int]) -> tuple[tuple, dict]:
+    """A balanced call's arguments for items ``todo`` only (its list arguments cut to them)."""
+    def pick(v: Any) -> Any:
+        return [v[i] for i in todo] if isinstance(v, list) else v
+
+    return tuple(pick(v) for v in args), {k: pick(v) for k, v in kwargs.items()}
+
+
+def call_setting_version(method: RemoteMethod, version: int, *args: Any, **kwargs: Any) -> Any:
+    """Call ``method`` (the weight receive) so that, once it succeeds on a rank, the gang's
+    weight version there becomes ``version`` (the sender's sync number): what a balanced
+    call's ``Completed.versions`` read (:mod:`~twinkle_ray.runtime.beside`)."""
+    return method.proxy._call(method.name, method.spec, args, kwargs, version=version)
 
 
 class GangProxy:
@@ -217,7 +247,7 @@ class GangProxy:
             raise self._gone()
 
     def _call(self, name: str, spec: RemoteFunction, args: tuple, kwargs: dict,
-              wait_end: bool = False) -> Any:
+              wait_end: bool = False, version: int | None = None) -> Any:
         self._check_open()
         wait_for_gangs(args, kwargs)  # not while pickling them under the turn lock
         if self._lost:
@@ -241,13 +271,18 @@ class GangProxy:
                 g = self._gang  # this call goes to the new one, whose own outputs these are not
                 call = self._encode(g, name, spec, execute, args, kwargs, caller, returns,
                                     wait_end)
-            call = call._replace(turn=(self._caller_id, self._next_turn, self._told_prev()))
+            call = call._replace(turn=(self._caller_id, self._next_turn, self._told_prev()),
+                                 beside=spec.beside, version=version)
             reply_ref, settled = g.dispatcher.call.remote(call)
             self._next_turn += 1  # only a submitted call takes a turn
             self._prev = previous = _Previous(settled)
         result = LazyResult(reply_ref, collect=spec.collect, gang=g, method=name,
                             timeout=spec.timeout, turn=call.turn[:2], caller=self._hooks,
                             previous=previous)
+        if balanced and not call.routes and not eager:  # as_completed after a death: the
+            # undelivered items run again on the rebuilt gang (runtime.completed)
+            n = next(len(v) for v in [*args, *kwargs.values()] if isinstance(v, list))
+            result._again = Requeue(n, lambda todo: self._call(name, spec, *_pick(args, kwargs, todo)))
         return result.get() if eager else result
 
     def _encode(self, g: GangRef, name: str, spec: RemoteFunction, execute: str, args: tuple,

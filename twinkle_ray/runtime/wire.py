@@ -119,6 +119,9 @@ class Call(NamedTuple):
     turn: tuple | None = None  # (caller id, number, previous call: [settled ref] | SETTLED | None)
     returns: str = "value"  # what each rank returns: 'value', 'meta' (and a record), 'inline'
     wait_end: bool = False  # iteration: wait for the records, to see StopIteration
+    # the method may run beside a running balanced call (RemoteFunction.beside: the weight receive)
+    beside: bool = False
+    version: int | None = None  # on success, the gang's weight version becomes this (a sync's number)
 
 
 class Task(NamedTuple):
@@ -135,6 +138,11 @@ class Task(NamedTuple):
     balance: Any = None
     reslice: tuple | None = None  # see Slice
     inline_bytes: int = 64 * 1024  # returns="inline": the most bytes of its result inline (reply.inline_limit)
+    # runtime.beside: a beside call names the balanced call it runs beside (GangWorker.run_beside);
+    # a call on the run thread names the last beside call before it, which must end first
+    after: int | None = None
+    follows: int | None = None
+    version: int | None = None  # see Call.version
 
 
 # --------------------------------------------------------------------------- the caller

@@ -18,6 +18,7 @@ Example (what the dispatcher does)::
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import os
 import socket
@@ -33,6 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ..core.dispatch import dispatch_one
 from ..core.routing import record_of
 from . import balance
+from .beside import Flow, Running, Versions
 from .dist_setup import loopback_store, nccl_env, seed_everything, url_host, usable_backend
 from .errors import portable
 from .inflight import StreamBook, WorkerLoop
@@ -102,10 +104,12 @@ class GangWorker:
         os.environ.update(info.environ())
         self.info = info
         self.instance: Any = None
-        # the number of the call running now (None: idle)
-        self.current: int | str | None = None
+        # which calls run and ended here, on the run thread and beside it (runtime.beside)
+        self.flow = Flow()
         self.verdict_of: int | None = None  # a failed call whose stuck check the next call awaits
-        self.ended = -1  # the number of the last call that ended here
+        # the gang's weight version here (syncs applied), and the balanced call running now
+        self.versions = Versions()
+        self.running: Running | None = None
         self.phase: str | None = "created"  # what start() is doing (None: started)
         self.metrics = GangMetrics.create(info.metrics, True) if info.metrics else None
         # balanced calls: their finished chunks for streams, and the loop of async methods
@@ -210,10 +214,47 @@ class GangWorker:
         :mod:`~twinkle_ray.runtime.balance`), the result returned as ``task.returns`` says:
         the result (``'value'``), the result and its record (``'meta'``), or the result for an
         eager reply (``'inline'``). A failure is reported to the dispatcher before it is
-        raised, so it can tell whether peers are left stuck in a collective."""
-        if self.verdict_of is not None:
-            self._await_verdict()
-        self.current = task.seq
+        raised, so it can tell whether peers are left stuck in a collective. A call that
+        follows a beside call (``task.follows``) first waits until that one ended here."""
+        running = None
+        try:
+            if task.follows is not None:
+                self.flow.wait_beside(task.follows)
+            if self.verdict_of is not None:
+                self._await_verdict()
+            if task.balance is not None:  # known before the call counts as started: a sync
+                # that waits for it to start finds what to run beside
+                running = self.running = Running(task.seq, balance.runs_async(self.instance,
+                                                                              task.method))
+            self.flow.started(task.seq)
+            return self._execute(task, tops, None)
+        finally:
+            if running is not None:
+                self.running = None
+                running.close()  # a sync still waiting for the next chunk runs now
+            self.flow.ended_call(task.seq)
+
+    @ray.method(concurrency_group="beside")
+    def run_beside(self, task: Task, tops: list) -> Any:
+        """A call marked ``beside`` (the weight receive) submitted while balanced call
+        ``task.after`` runs on the gang: it waits until that call has started here (or
+        ended), then runs beside it (:mod:`~twinkle_ray.runtime.beside`: the engine paused,
+        the call, its version set, the engine resumed). Not reported to the stuck check: it
+        runs no collective of the gang's own."""
+        try:
+            self.flow.wait_started(task.after)
+            running = self.running
+            if running is None or running.seq != task.after:  # it ended already: alone
+                running = None
+            return self._execute(task, tops, running)
+        finally:
+            self.flow.ended_beside(task.seq)
+
+    def _execute(self, task: Task, tops: list, beside: Running | None) -> Any:
+        """``run``'s body; ``beside``: the balanced call a beside call runs beside (None:
+        alone, on the calling thread). A call with ``task.version`` sets the gang's weight
+        version once it succeeded (beside a call: before the engine resumes)."""
+        on_run = task.after is None
         m, t0, nbytes, failed = self.metrics, None, 0, True
         record = None
         try:
@@ -223,19 +264,26 @@ class GangWorker:
             if task.balance is not None:
                 result, record = balance.run_chunks(self, task, args, kwargs)
             else:
-                result = getattr(self.instance, task.method)(*args, **kwargs)
+                def call() -> Any:
+                    out = self._method(task.method, args, kwargs)
+                    if task.version is not None:
+                        self.versions.set(task.version)
+                    return out
+
+                result = call() if beside is None else beside.beside(call, self.instance, self.loop)
             failed = False
         except StopIteration:
             if task.method != "__next__":
-                self._report(task, StopIteration())
+                if on_run:
+                    self._report(task, StopIteration())
                 raise
             failed = False
             result, record = None, END_OF_ITERATION
         except BaseException as e:
-            self._report(task, e)
+            if on_run:
+                self._report(task, e)
             raise portable(e) from None
         finally:
-            self.current, self.ended = None, task.seq
             if m is not None:
                 m.ran(task.method, None if t0 is None else time.perf_counter() - t0, nbytes, failed)
         if result is self.instance:  # e.g. __iter__ returning self: it stays here
@@ -245,6 +293,14 @@ class GangWorker:
         if task.returns == "inline":
             return inline(result, task.inline_bytes)
         return result
+
+    def _method(self, name: str, args: tuple, kwargs: dict) -> Any:
+        """The instance's method ``name`` called; an ``async def`` one runs on the worker's
+        event loop (the one balanced calls' coroutines share) and its value is returned."""
+        out = getattr(self.instance, name)(*args, **kwargs)
+        if inspect.iscoroutine(out):
+            out = self.loop.run(out)
+        return out
 
     def _arguments(self, task: Task, tops: tuple) -> tuple[tuple, dict]:
         """The task's (args, kwargs): the put values fetched, unpickled, routed values built
@@ -300,14 +356,15 @@ class GangWorker:
     @ray.method(concurrency_group="control")
     def progress(self) -> tuple[int | str | None, int]:
         """(the number of the call running now, or None when idle; that of the last ended)."""
-        return self.current, self.ended
+        return self.flow.current, self.flow.ended
 
     @ray.method(concurrency_group="stream", num_returns="streaming")
     def stream(self, seq: int):
         """Balanced call ``seq``'s finished chunks on this worker, as they finish: batches of
         ``(start, stop, value, versions)`` (:class:`~twinkle_ray.runtime.inflight.StreamBook`);
         what ``LazyResult.as_completed`` reads. Ends with the call here."""
-        yield from self.streams.read(seq, lambda: self.ended)
+        ctx = ray.get_runtime_context()  # a reader that went away cancels it: it ends here too
+        yield from self.streams.read(seq, lambda: self.flow.ended, ctx.is_canceled)
 
     @ray.method(concurrency_group="control")
     def start_phase(self) -> str | None:
@@ -393,9 +450,11 @@ def _value_of(arg: Any) -> Any:
 
 
 # control: watch() (always), progress() and pid() beside a running call; stream: readers of
-# balanced calls' completions (each waits while its call runs).
+# balanced calls' completions (each waits while its call runs); beside: calls that run beside a
+# running balanced call (the weight receive; one at a time, in the order submitted).
 STREAM_READERS = 4
-_RemoteGangWorker = ray.remote(concurrency_groups={"control": 3, "stream": STREAM_READERS})(GangWorker)
+_RemoteGangWorker = ray.remote(concurrency_groups={"control": 3, "stream": STREAM_READERS,
+                                                   "beside": 1})(GangWorker)
 
 
 def _import_quietly(module: str) -> None:

@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from ..runtime.proxy import call_setting_version
 from .handle import SyncHandle
 from .transport import DEFAULT_BUCKET_MB, DEFAULT_TIMEOUT_S, SyncStats
 
@@ -126,6 +127,9 @@ class WeightSync:
         self.channel = f"ws-{uuid.uuid4().hex[:10]}"
         self.backend_used: str | None = backend
         self.closed = False
+        # syncs sent on this channel: the number each receiving gang's weight version becomes
+        # once it applied the sync (Completed.versions; a rebuilt gang is 0 until its next one)
+        self.syncs = 0
         self._ok = False
         self._reset = False  # after a failure: the senders forget what each receiver holds
         self._generations: tuple = ()
@@ -271,6 +275,7 @@ class WeightSync:
         if not self._remote:
             known = {s.name for s in self.source.weight_sync_shards()} if names is not None else None
             stats = _local_sync(self.source, self.targets, check_names(names, known, self.source))
+            self.syncs += 1
             return stats if wait else SyncHandle.finished(stats)
         self._check()
         names = check_names(names, self.known_names(wait=wait and names is not None), self.source)
@@ -278,7 +283,10 @@ class WeightSync:
         ends.append((self.source, self.source.weight_sync_send(self.channel, names, only_changed, self.bucket_mb,
                                                                self._reset)))
         result = len(ends) - 1
-        ends += [(g, g.weight_sync_recv(self.channel)) for g in self.targets]
+        self.syncs += 1
+        # each receiving gang's weight version becomes this sync's number once it applied it
+        ends += [(g, call_setting_version(g.weight_sync_recv, self.syncs, self.channel))
+                 for g in self.targets]
         self._ok, self._reset = True, False  # later syncs replay it; a failure seen marks it again
         handle = self._last = SyncHandle(self, ends, result, self.timeout_s + 30 if wait else None)
         return handle.get() if wait else handle
@@ -415,12 +423,14 @@ def sync_weights(
     ws = reg.find(trainer)
     if ws is not None and names is not None:  # the trainer's names, as its channel knows them
         check_names(names, ws.known_names(wait=wait), trainer)
+    syncs = 0
     if ws is not None and (ws.timeout_s, ws.bucket_mb, ws.backend) != (timeout_s, bucket_mb, backend):
         logger.info("weight sync %s: settings changed; closing it for a new channel", ws.channel)
         ws.close()
-        ws = None
+        syncs, ws = ws.syncs, None  # the trainer's sync count goes on: versions never go back
     if ws is None:
         ws = WeightSync(trainer, samplers, timeout_s=timeout_s, bucket_mb=bucket_mb, backend=backend)
+        ws.syncs = syncs
         reg.entries.append(ws)
     elif [_identity(s) for s in ws.targets] != [_identity(s) for s in samplers]:
         ws.retarget(samplers)

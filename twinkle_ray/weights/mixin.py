@@ -33,9 +33,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from ..core.balance import WEIGHT_VERSION_ATTR, weight_version
 from ..core.context import get_rank
-from ..core.functions import remote_function
+from ..core.functions import RemoteFunction, remote_function
 from .fingerprint import fingerprint
 from .layout import Slab, TensorSource, Want, is_dtensor, module_slabs, module_wants, unwrap
 from .plan import build_plan
@@ -387,15 +386,14 @@ class WeightSyncMixin:
         logger.info("weight sync %s: %s path, %s", channel, path, stats)
         return [stats]
 
-    @remote_function(dispatch="all", collect="flatten")
+    # beside: issued while a balanced call runs on this gang, it does not queue behind that call
+    # (runtime.beside: the engine paused, the receive, the gang's version set, the engine resumed)
+    @RemoteFunction.marked(dispatch="all", collect="flatten", beside=True)
     def weight_sync_recv(self, channel: str) -> list[dict]:
         """Every receiver of this worker takes one sync; their figures. A receiver that fails leaves
         its pairs in step (it drains them) or closes them (the transport broke)."""
         try:
-            got = list(self.weight_sync_fanout("recv", channel))
-            # the gang's weight version (syncs applied): what a balanced chunk's versions read
-            setattr(self, WEIGHT_VERSION_ATTR, weight_version(self) + 1)
-            return got
+            return list(self.weight_sync_fanout("recv", channel))
         except SourceFailed:  # told by the senders, every pair drained: the pairs stay in step
             raise
         except BaseException:
