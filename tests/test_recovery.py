@@ -146,6 +146,12 @@ class RoutesSomewhere:
     def produce(self) -> list:
         return [_OnlySomewhere(get_rank())]
 
+    @remote_function(dispatch="all", collect="flatten")
+    def raises_on(self, rank: int) -> list:
+        if get_rank() == rank:
+            raise ValueError(f"no items on rank {rank}")
+        return [get_rank()]
+
 
 @remote_class()
 class Consumer:
@@ -243,6 +249,27 @@ def test_a_rank_whose_routed_input_fails_is_seen_like_any_failed_rank(runtime):
     g.restart()
     assert g.allreduce()() == 2.0
     assert g.allreduce()() == 2.0
+
+
+def test_a_producers_error_fails_every_consumer_rank_alike_before_any_runs(runtime):
+    """A routed input's records reach every rank resolved by Ray, before the method
+    (runtime.routed): a producer rank that raised fails every consumer rank alike, unrun. The
+    error is the producer's, named as such; no rank is left in the all_reduce, so the next
+    call runs at once, on the same gang (no GangStuckError, no rebuild)."""
+    runtime.initialize(groups=_groups(("p", 2), ("c", 2)))
+    producer = RoutesSomewhere(remote_group="p")
+    g = Coll(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="c")
+    pids = g.pid()()
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="no items on rank 1") as info:
+        g.allreduce_items(producer.raises_on(1))()
+    notes = "\n".join(info.value.__notes__)
+    assert "raised in RoutesSomewhere.raises_on() on rank 1 of group 'p'" in notes, notes
+    assert "an input of Coll.allreduce_items() on group 'c'" in notes, notes
+    assert "Coll.allreduce_items() on rank" not in notes, notes  # no consumer rank raised it
+    assert g.allreduce()() == 2.0
+    assert time.monotonic() - t0 < LIMIT_S
+    assert g.pid()() == pids and g.topology()["restarts"] == 0
 
 
 @pytest.mark.slow  # 7-20 s each (gang rebuilds); the quick tier keeps the stuck-rank path

@@ -30,7 +30,14 @@ from typing import Any, NamedTuple
 import ray
 from ray.exceptions import RayError
 
-from ..core.balance import Completed, chunk_items, group_readers, join_items, take_items, total_items
+from ..core.balance import (
+    Completed,
+    chunk_items,
+    group_readers,
+    join_items,
+    take_items,
+    total_items,
+)
 from ..core.dispatch import worker_data_ranks
 from .diagnose import fetch
 from .errors import CallTimeoutError, WorkerDiedError

@@ -251,6 +251,13 @@ def fetch_timed_out(e: ObjectFetchTimedOutError, gang: GangRef, method: str,
     return e
 
 
+def raised_note(call: str, traceback: str) -> str:
+    """The note that names where an exception was raised: ``call`` is ``'Class.method() on
+    rank r of group 'g''``. A rank adds it to its method's exception (it knows where it
+    is); a caller adds it to one that has none (:func:`user_error`)."""
+    return f"raised in {call}" + (f"\nremote traceback:\n{traceback}" if traceback else "")
+
+
 def user_error(e: RayTaskError, gang: GangRef, method: str, rank: int | None,
                caller: Caller | None = None) -> BaseException:
     cause = getattr(e, "cause", None)
@@ -267,9 +274,18 @@ def user_error(e: RayTaskError, gang: GangRef, method: str, rank: int | None,
         return TypeError(f"{call} ran, but its result cannot be pickled to leave the worker "
                          f"({type(cause).__name__}: {cause}); return plain data, arrays or "
                          f"tensors, or keep the object in the worker")
-    if hasattr(cause, "add_note"):
-        cause.add_note(f"raised in {call}" + (
-            f"\nremote traceback:\n{tb}" if tb and not isinstance(cause, NotPicklable) else ""))
+    if not hasattr(cause, "add_note"):
+        return cause
+    raised = [n for n in getattr(cause, "__notes__", ()) if n.startswith("raised in ")]
+    mine = f"raised in {gang.cls_name}.{method}() on "
+    if not raised:  # named by its rank: not (an exception of Ray's, a mock)
+        cause.add_note(raised_note(call, tb if not isinstance(cause, NotPicklable) else ""))
+    elif not any(n.startswith(mine) and f"group '{gang.group}'" in n.splitlines()[0]
+                 for n in raised):
+        # another call's exception, not one of this call's ranks': Ray failed this call
+        # with it before any rank ran (a routed input's record, runtime.routed)
+        cause.add_note(f"it failed an input of {gang.cls_name}.{method}() on group "
+                       f"'{gang.group}': no rank of that call ran")
     return cause
 
 

@@ -362,19 +362,22 @@ class Dispatcher:
         submit = self._submitters(call.method, with_record, workers, after is not None)
         refs, records = [], []
         limit = inline_limit(len(targets))  # an eager call's inline bytes: bounded per call
+        # routed inputs: what every rank shares, made once; their records go as top-level
+        # arguments (resolved by Ray before the method starts: see runtime.routed)
+        slots, tops = self.routes.shared(inputs) if inputs else ((), ())
         for i in targets:
             s = call.slices[call.of_rank[i]] if call.of_rank is not None else call.slices[0]
-            routes = Routes.for_rank(inputs, s.split) if inputs else ()
+            routes = Routes.for_rank(slots, s.split) if slots else ()
             follows = None if after is not None else beside_of.pop(i, None)
             task = Task(call.method, self.seq, call.returns, s.args, s.kwargs, s.nested, routes,
                         s.split, s.balance, s.reslice, limit, after, follows, call.version)
             if after is not None:
                 beside_of[i] = self.seq
             if with_record:
-                out, record = submit[i].remote(task, s.tops)
+                out, record = submit[i].remote(task, s.tops, *tops)
                 records.append(record)
             else:
-                out = submit[i].remote(task, s.tops)
+                out = submit[i].remote(task, s.tops, *tops)
             refs.append(out)
         if after is None:
             self._tail = (gen, self.seq, frozenset(targets)) if balanced else None

@@ -328,13 +328,19 @@ class GangProxy:
                     splits = [s._replace(slice_len=common) for s in splits]
         enc = Encoding(own_gang=g)
         slices, of_rank, seen = [], [], {}
+        pickled: dict = {}  # the same arguments cut by another split: the same pickles
         for (a, kw), split, head in zip(per_worker, splits, heads, strict=True):
-            key = (_identity(a, kw), split, head)
+            same = (_identity(a, kw), head)
+            key = (same, split)
             if key not in seen:
-                try:
-                    s = enc.encode(a, kw, split, head)
-                except TypeError as e:  # names the argument
-                    raise TypeError(f"{g.cls_name}.{name}() on group '{g.group}': {e}") from None
+                s = pickled.get(same)
+                if s is not None:  # (a routed value's split travels beside its slot)
+                    s = s._replace(split=split)
+                else:
+                    try:
+                        s = pickled[same] = enc.encode(a, kw, split, head)
+                    except TypeError as e:  # names the argument
+                        raise TypeError(f"{g.cls_name}.{name}() on group '{g.group}': {e}") from None
                 seen[key] = len(slices)
                 slices.append(s)
             of_rank.append(seen[key])

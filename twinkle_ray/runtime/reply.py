@@ -109,6 +109,9 @@ class NotPicklable(TypeError):
     """A result that cannot be pickled (raised in the rank, named by the caller)."""
 
 
+_SCALARS = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
 def inline(result: Any, limit: int = INLINE_BYTES) -> Inline | Held:
     """In a rank: ``result`` as an eager call's reply carries it. Its exact pickled size
     decides (pickled once, as the reply needs it anyway); a result holding ObjectRefs or actor
@@ -118,7 +121,9 @@ def inline(result: Any, limit: int = INLINE_BYTES) -> Inline | Held:
     'Inline'
     """
     try:
-        data = Pickler.dumps_plain(result)
+        # a plain scalar holds no ref: pickled without the ref-checking pickler (a no-op's None)
+        data = (pickle.dumps(result, protocol=5) if type(result) in _SCALARS else
+                Pickler.dumps_plain(result))
     except Pickler.HasRefs:
         return Held(ray.put(result))
     except Exception as e:  # noqa: BLE001 -- named for the caller, as a TypeError

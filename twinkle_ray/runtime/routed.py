@@ -5,21 +5,28 @@ A LazyResult argument reaches a call's dispatcher as a slot (a
 producer's :class:`~twinkle_ray.runtime.reply.Reply` (its own recent call's, the one the
 sender had at hand, or the producer call's reply ref, which its dispatcher answered as
 soon as it submitted the call: never a wait on the producer's *outputs*), and gives each
-rank's task a :class:`RouteIn` per slot: the refs of the outputs' records and of the
-outputs the rank most likely reads.
+rank's task a :class:`RouteIn` per slot and the refs of the outputs' records.
 
 The rank (:class:`Slots`) computes the value with the one rule,
 :class:`~twinkle_ray.core.routing.Routed`: from the records, only the outputs its part is
 made of are fetched, pulled from the producers' object stores, never through the driver
-or a dispatcher. The refs travel nested, not as top-level task arguments: Ray would
-resolve those before the method starts, and a rank whose input failed there (a producer's
-error, an output it cannot unpickle) would fail unseen by its dispatcher while its peers
-went on into a collective. Pulled inside the rank's call, such a failure is reported like
-any other (the stuck check) and names the producer.
+or a dispatcher.
+
+**Records are top-level task arguments, outputs are not.** Every rank's task takes the
+records of *every* output of every routed input as top-level arguments (``run(task, tops,
+*records)``): Ray resolves them before the method starts, without a borrowed ref, an
+owner round trip or a ``ray.get`` in the rank (a record is a few bytes, inlined in the
+task). A record fails exactly when its output does (the producer's two returns), and every
+rank waits for all of them, so a producer's error or death fails every rank of the call
+alike, before any of them runs: none is left in a collective. The outputs travel nested
+(the refs of those a rank most likely reads, and the reply they are all in): each rank
+pulls only the outputs its part covers, inside its call, so an output one rank cannot
+have (one it cannot unpickle) fails that rank like any call, seen by its dispatcher (its
+stuck check) while its peers may be in a collective, and names the producer.
 
 Example (in a rank)::
 
-    slots = Slots(task.routes, task.split, "step", "trainer")
+    slots = Slots(task.routes, task.split, "step", "trainer", records)
     args, kwargs = wire.decode(task, tops, slots.value)
 """
 
@@ -28,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import pickle
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -68,7 +75,9 @@ class RouteIn(NamedTuple):
     mesh: Any = None  # the producer's mesh ('last_pp')
     gpus_per_worker: int = 1
     balanced: bool = False
-    records: list | None = None  # the ref of each output's record; None: not kept
+    # where the outputs' records start among the task's top-level records (one per output,
+    # in output order); None: not kept
+    records: int | None = None
     hints: dict[int, Any] = {}  # output -> its ref, for the outputs the rank likely reads
     reply_ref: Any = None  # the producer's reply: the refs of outputs not among the hints
     refs: list | None = None  # those refs themselves, when there is no reply ref to read
@@ -89,15 +98,47 @@ class Routes:
         # outputs this gang took as inputs: a death of one of their workers can fail this gang's
         # calls, and they know which of theirs it was
         self.producers: dict[tuple[str, str], tuple[Any, str]] = {}
+        # when each kept reply is dropped (loop time), oldest first: one timer at a time
+        # sweeps them (a timer per call cost the chain ~3% of this actor's time)
+        self._drop_at: deque[tuple[tuple[str, int], float]] = deque()
+        self._sweeping = False
+        # producer -> the GangRef a rank's task names it by (no handle): made once each
+        self._named: dict[tuple, GangRef] = {}
 
     def remember(self, turn: tuple[str, int] | None, reply: Reply) -> None:
         """Keep a call's reply for calls chained right after it (a timer drops it)."""
         if turn is None:
             return
+        loop = asyncio.get_running_loop()
         self.recent[turn] = reply
+        self._drop_at.append((turn, loop.time() + RECENT_KEEP_S))
         if len(self.recent) > RECENT_REPLIES:
             self.recent.popitem(last=False)
-        asyncio.get_running_loop().call_later(RECENT_KEEP_S, self.recent.pop, turn, None)
+        while len(self._drop_at) > RECENT_REPLIES:  # (dropped from ``recent`` already)
+            self._drop_at.popleft()
+        if not self._sweeping:
+            self._sweeping = True
+            loop.call_later(RECENT_KEEP_S, self._sweep)
+
+    def _sweep(self) -> None:
+        """Drop the kept replies whose time is up; come back for the next one, if any."""
+        now = asyncio.get_running_loop().time()
+        while self._drop_at and self._drop_at[0][1] <= now:
+            self.recent.pop(self._drop_at.popleft()[0], None)
+        self._sweeping = bool(self._drop_at)
+        if self._sweeping:
+            asyncio.get_running_loop().call_later(self._drop_at[0][1] - now, self._sweep)
+
+    def named(self, producer: GangRef) -> GangRef:
+        """``producer`` as a rank's task names it: without its dispatcher's handle (kept small)."""
+        key = (producer.group, producer.cls_name, producer.label, producer.namespace)
+        got = self._named.get(key)
+        if got is None:
+            if len(self._named) >= RECENT_REPLIES * 8:  # bounded (gangs made and gone)
+                self._named.clear()
+            got = self._named[key] = GangRef(producer.group, producer.cls_name, dispatcher=None,
+                                             label=producer.label, namespace=producer.namespace)
+        return got
 
     async def resolve(self, route: Route) -> tuple[Reply, GangRef]:
         """The producer's reply (refs at hand) and its GangRef. Lost with the producer's
@@ -117,36 +158,47 @@ class Routes:
             raise producer.reply_lost(e, route.method) from None
         return reply, producer
 
-    @staticmethod
-    def for_rank(resolved: list[tuple[Route, Reply, GangRef]], split: Split | None) -> tuple:
-        """One rank's RouteIn per slot."""
-        ins = []
+    def shared(self, resolved: list[tuple[Route, Reply, GangRef]]) -> tuple[list, list]:
+        """What every rank's task of a call shares of its routed inputs, made once per call:
+        (per slot: its RouteIn without hints, its Source, its output refs; the refs of every
+        output's record, the tasks' top-level records)."""
+        slots, records = [], []
         for route, reply, producer in resolved:
-            cut = split if route.cut else None
             source = Source(route.collect, None, reply.workers, producer.mesh,
                             producer.gpus_per_worker, reply.balanced)
-            hints = {k: reply.refs[k] for k in likely_needed(source, cut)}
+            at = None
+            if reply.records:
+                at = len(records)
+                records.extend(reply.records)
             # the mesh only where the join reads it: pickling one costs more than the rest of
             # a rank's task together (the dispatcher's time per call bounds a chain of calls)
             mesh = None if route.collect in MESH_FREE else producer.mesh
-            ins.append(RouteIn(
+            base = RouteIn(
                 route.collect, list(reply.workers), mesh, producer.gpus_per_worker,
-                reply.balanced, list(reply.records) if reply.records else None, hints,
-                reply_ref=route.reply_ref,
-                producer=GangRef(producer.group, producer.cls_name, dispatcher=None,
-                                 label=producer.label, namespace=producer.namespace),
-                method=route.method, cut=route.cut, location=route.location))
-        return tuple(ins)
+                reply.balanced, at, reply_ref=route.reply_ref,
+                producer=self.named(producer),
+                method=route.method, cut=route.cut, location=route.location)
+            slots.append((base, source, reply.refs))
+        return slots, records
+
+    @staticmethod
+    def for_rank(slots: list, split: Split | None) -> tuple:
+        """One rank's RouteIn per slot (``slots`` from :meth:`shared`): the shared part with
+        the refs of the outputs this rank's part most likely covers."""
+        return tuple(base._replace(hints={k: refs[k] for k in likely_needed(
+            source, split if base.cut else None)}) for base, source, refs in slots)
 
 
 class Slots:
     """A rank's routed arguments: ``value(j)`` is slot ``j``'s value (see the module docstring).
 
-    ``where`` names the consumer call in errors (``"Trainer.step() on group 'trainer'"``).
+    ``records``: the task's top-level records (the values of the outputs' records, resolved
+    by Ray before the call; see the module docstring).
     """
 
-    def __init__(self, routes: tuple, split: Split | None, method: str, group: str):
-        self.routes, self.split = routes, split
+    def __init__(self, routes: tuple, split: Split | None, method: str, group: str,
+                 records: tuple = ()):
+        self.routes, self.split, self.records = routes, split, records
         self.method, self.group = method, group
         self._routed: dict[int, Routed] = {}
         self._given: set[int] = set()  # the slots whose value was given out once already
@@ -160,8 +212,8 @@ class Slots:
             if isinstance(mode, ray.ObjectRef):  # a large callable, put by the caller
                 mode = ray.get(mode)
             mode = pickle.loads(mode) if isinstance(mode, bytes) else mode
-            records = None if rin.records is None else pull(
-                list(rin.records), rin.producer, rin.method, rin.workers)
+            records = None if rin.records is None else list(
+                self.records[rin.records:rin.records + len(rin.workers)])
             source = Source(mode, records, rin.workers, rin.mesh, rin.gpus_per_worker,
                             rin.balanced)
             r = self._routed[j] = Routed(source, lambda ks, rin=rin: self._fetch(rin, ks),

@@ -24,6 +24,7 @@ import os
 import socket
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -35,6 +36,7 @@ from ..core.dispatch import dispatch_one
 from ..core.routing import record_of
 from . import balance
 from .beside import Flow, Running, Versions
+from .diagnose import raised_note
 from .dist_setup import loopback_store, nccl_env, seed_everything, url_host, usable_backend
 from .errors import portable
 from .inflight import StreamBook, WorkerLoop
@@ -207,10 +209,10 @@ class GangWorker:
         )
         return backend
 
-    def run(self, task: Task, tops: list) -> Any:
+    def run(self, task: Task, tops: list, *records: Any) -> Any:
         """One rank's task of a call (:mod:`~twinkle_ray.runtime.wire`): its arguments
-        decoded (routed ones built from the producers' outputs,
-        :mod:`~twinkle_ray.runtime.routed`), the method run (a balanced call: its chunk loop,
+        decoded (routed ones built from the producers' outputs and ``records``, the values of
+        their records, :mod:`~twinkle_ray.runtime.routed`), the method run (a balanced call: its chunk loop,
         :mod:`~twinkle_ray.runtime.balance`), the result returned as ``task.returns`` says:
         the result (``'value'``), the result and its record (``'meta'``), or the result for an
         eager reply (``'inline'``). A failure is reported to the dispatcher before it is
@@ -227,7 +229,7 @@ class GangWorker:
                 running = self.running = Running(task.seq, balance.runs_async(self.instance,
                                                                               task.method))
             self.flow.started(task.seq)
-            return self._execute(task, tops, None)
+            return self._execute(task, tops, records, None)
         finally:
             if running is not None:
                 self.running = None
@@ -235,7 +237,7 @@ class GangWorker:
             self.flow.ended_call(task.seq)
 
     @ray.method(concurrency_group="beside")
-    def run_beside(self, task: Task, tops: list) -> Any:
+    def run_beside(self, task: Task, tops: list, *records: Any) -> Any:
         """A call marked ``beside`` (the weight receive) submitted while balanced call
         ``task.after`` runs on the gang: it waits until that call has started here (or
         ended), then runs beside it (:mod:`~twinkle_ray.runtime.beside`: the engine paused,
@@ -246,11 +248,11 @@ class GangWorker:
             running = self.running
             if running is None or running.seq != task.after:  # it ended already: alone
                 running = None
-            return self._execute(task, tops, running)
+            return self._execute(task, tops, records, running)
         finally:
             self.flow.ended_beside(task.seq)
 
-    def _execute(self, task: Task, tops: list, beside: Running | None) -> Any:
+    def _execute(self, task: Task, tops: list, records: tuple, beside: Running | None) -> Any:
         """``run``'s body; ``beside``: the balanced call a beside call runs beside (None:
         alone, on the calling thread). A call with ``task.version`` sets the gang's weight
         version once it succeeded (beside a call: before the engine resumes)."""
@@ -258,7 +260,7 @@ class GangWorker:
         m, t0, nbytes, failed = self.metrics, None, 0, True
         record = None
         try:
-            args, kwargs = self._arguments(task, tops)
+            args, kwargs = self._arguments(task, tops, records)
             if m is not None:
                 nbytes, t0 = args_nbytes(args, kwargs), time.perf_counter()
             if task.balance is not None:
@@ -282,6 +284,9 @@ class GangWorker:
         except BaseException as e:
             if on_run:
                 self._report(task, e)
+            info = self.info  # named here: a caller may meet it as another call's input
+            e.add_note(raised_note(f"{info.cls_name}.{task.method}() on rank {info.rank} of "
+                                   f"group '{info.group}'", traceback.format_exc()))
             raise portable(e) from None
         finally:
             if m is not None:
@@ -302,15 +307,18 @@ class GangWorker:
             out = self.loop.run(out)
         return out
 
-    def _arguments(self, task: Task, tops: tuple) -> tuple[tuple, dict]:
+    def _arguments(self, task: Task, tops: tuple, records: tuple = ()) -> tuple[tuple, dict]:
         """The task's (args, kwargs): the put values fetched, unpickled, routed values built
         (see ``run``). Everything a rank reads is fetched here, inside its call, never by Ray
         before the method starts: a rank whose input cannot be had fails like any call, seen
-        by the dispatcher (its stuck check), while its peers may be in a collective."""
+        by the dispatcher (its stuck check), while its peers may be in a collective. (Only
+        the routed inputs' records come resolved, every rank all of them: one that failed
+        fails every rank alike, unrun; see runtime.routed.)"""
         info = self.info
         where = f"{info.cls_name}.{task.method}() on rank {info.rank} of group '{info.group}'"
         tops = ray.get(tops) if tops else tops
-        slots = Slots(task.routes, task.split, task.method, info.group) if task.routes else None
+        slots = (Slots(task.routes, task.split, task.method, info.group, records)
+                 if task.routes else None)
         args, kwargs = decode(task, tops, slots and slots.value, where)
         if task.reslice is not None:  # a dispatch function, applied here to the values
             n, mesh, gpus_per_worker, *runners = task.reslice  # runners: execute='peer'
