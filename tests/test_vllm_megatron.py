@@ -115,6 +115,31 @@ def test_unsupported_head_dim_is_refused_before_any_engine(bad_head_dim, tmp_pat
         twinkle_ray.shutdown()
 
 
+def test_stream_flags_and_version_facts(capsys):
+    """--stream's flags are checked before anything starts; a batch's staleness, spans and the syncs
+    it was in flight across are read from its items' versions."""
+    from collections import namedtuple
+
+    from examples.vllm_megatron import grpo
+
+    for argv in (["--stream", "--async", "1"], ["--stream", "--balance", "2"], ["--max-staleness", "-1"]):
+        with pytest.raises(SystemExit):
+            grpo.parse(argv)
+        err = capsys.readouterr().err
+        assert "--stream is its own schedule" in err or "--max-staleness takes an int >= 0" in err, err
+    args = grpo.parse(["--stream", "--batch-size", "16"])
+    assert args.max_staleness == 1  # the default bound
+    assert grpo.stream_in_flight(args, twinkle_ray.DeviceMesh.from_sizes(dp_size=2, device_type="cpu")) == 8
+    C = namedtuple("C", "index value rank versions")
+    rows = [{}] * 8
+    f = grpo.stream_versions([C(0, rows, 0, (2, 4)), C(1, rows, 1, (4, 4)), C(2, rows, 0, (3, 4))], 4)
+    assert f["staleness"] == [2, 0, 1] and f["spanned"] == 16 and f["synced"] == [3, 4]
+    assert (f["first"], f["last"], f["unversioned"]) == (2, 4, 0)
+    result = grpo.stream_result({"facts": [f], "gaps": [None]}, 2, 1e-6)
+    assert result["inflight_syncs"] == 2 and result["max_staleness_seen"] == 2 and result["spanned"] == 16
+    assert result["gap_checked_steps"] == 0 and result["final_probe_gap"] == 1e-6
+
+
 @needs_stack
 def test_grpo_refuses_a_bad_head_dim_before_starting_gangs(bad_head_dim, tmp_path, ray_session):
     grpo = _modules()

@@ -608,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
         "trainer_step_s": float(np.mean(train_s)),
         "vllm_tokens_per_s": [e["tokens_per_s"] for e in engines],
         "vllm_engine_start_s": [e["import_s"] + e["engine_s"] for e in engines],
+        # per engine: keep-mode pauses around syncs that landed with requests in flight, and their seconds
+        "engine_pauses": [e["paused"] for e in engines], "engine_paused_s": [e["paused_s"] for e in engines],
         "peak_rss_mb": {"sampler": [e["peak_rss_mb"] for e in engines],
                         "trainer": [r["peak_rss_mb"] for r in report],
                         "driver": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
