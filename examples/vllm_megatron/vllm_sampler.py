@@ -268,6 +268,7 @@ class VLLMSampler(WeightSyncMixin):
         self.request_ids = itertools.count()
         self.totals = {"calls": 0, "prompts": 0, "tokens": 0, "seconds": 0.0, "paused": 0, "paused_s": 0.0}
         self.pause_t0: float | None = None
+        self.active, self.busy_t0 = 0, 0.0  # requests of generate_stream in flight; since when busy
         self.spans: dict = {}  # tag -> [start, end] (time.time()) of the generate calls made with it
 
     @staticmethod
@@ -311,11 +312,12 @@ class VLLMSampler(WeightSyncMixin):
                              "completion_ids": list(c.token_ids), "logprobs": logp, "text": c.text})
         return rollouts
 
-    def _count(self, rows: int, rollouts: list[dict], seconds: float, tag: Any, start: float) -> None:
+    def _count(self, rows: int, rollouts: list[dict], seconds: float | None, tag: Any, start: float) -> None:
         self.totals["calls"] += 1
         self.totals["prompts"] += rows
         self.totals["tokens"] += sum(len(r["completion_ids"]) for r in rollouts)
-        self.totals["seconds"] += seconds
+        if seconds is not None:
+            self.totals["seconds"] += seconds
         if tag is not None:
             span = self.spans.setdefault(tag, [start, start])
             span[1] = time.time()
@@ -348,14 +350,21 @@ class VLLMSampler(WeightSyncMixin):
         engine loop from the caller's loop (cancelling the caller aborts the requests)."""
         start = time.time()
         rows, reqs, params = self._requests(prompts)
-        t0 = time.perf_counter()
+        if self.active == 0:  # the engine's busy time: from its first request in flight to its last done
+            self.busy_t0 = time.perf_counter()
+        self.active += 1
 
         async def every() -> list:
             return await asyncio.gather(*(self._request(r, p) for r, p in zip(reqs, params, strict=True)))
 
-        outs = await self.loop.wait(every())
+        try:
+            outs = await self.loop.wait(every())
+        finally:
+            self.active -= 1
+            if self.active == 0:
+                self.totals["seconds"] += time.perf_counter() - self.busy_t0
         groups = [self._rows(row, out) for row, out in zip(rows, outs, strict=True)]
-        self._count(len(rows), [x for g in groups for x in g], time.perf_counter() - t0, tag, start)
+        self._count(len(rows), [x for g in groups for x in g], None, tag, start)
         return groups
 
     def _params_for(self, max_tokens: int | None) -> Any:
