@@ -434,7 +434,10 @@ class VLLMSampler(WeightSyncMixin):
     def engine_weights(self) -> dict:
         """Every engine: its weight-transfer engine's class and vLLM's model parameters as they are now
         (CPU copies; vLLM's names: fused qkv_proj / gate_up_proj). For checks."""
-        return self._rpc("twinkle_engine_params")[0]
+        from twinkle_ray.integrations import vllm_engine
+
+        got = self._rpc("twinkle_engine_params")[0]
+        return {"engine": got["engine"], "params": vllm_engine.decode_params(got["params"])}
 
     def _rpc(self, method: str) -> list:
         """``collective_rpc`` of a worker-extension method (by name) on every vLLM worker of the engine."""

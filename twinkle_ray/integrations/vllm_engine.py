@@ -48,7 +48,7 @@ from ..weights.receiver import ReceiverEnd
 logger = logging.getLogger(__name__)
 
 __all__ = ["BACKEND", "EXTENSION", "TwinkleWeightTransferEngine", "TwinkleWorkerExtension", "WholeOrNothingReload",
-           "init_info", "register", "transfer_config", "update_info"]
+           "decode_params", "init_info", "register", "transfer_config", "update_info"]
 
 BACKEND = "twinkle_gloo"  # registered by register(): twinkle_ray's pairs (gloo on CPU, NCCL on CUDA)
 EXTENSION = f"{__name__}.TwinkleWorkerExtension"  # an engine's worker_extension_cls (see the module docstring)
@@ -238,8 +238,30 @@ class TwinkleWorkerExtension:
         return engine_figures(self)
 
     def twinkle_engine_params(self) -> dict:
-        """:func:`engine_params` of this worker."""
-        return engine_params(self)
+        """:func:`engine_params` of this worker, each tensor as ``[dtype, shape, bytes]`` (vLLM's RPC
+        from another process returns tensors in a result as nested lists): :func:`decode_params`."""
+        got = engine_params(self)
+        got["params"] = {n: [str(t.dtype).removeprefix("torch."), list(t.shape), t.contiguous().numpy().tobytes()
+                             if t.dtype != torch.bfloat16 else t.contiguous().view(torch.int16).numpy().tobytes()]
+                         for n, t in got["params"].items()}
+        return got
+
+
+def decode_params(encoded: dict) -> dict:
+    """Tensors back from :meth:`TwinkleWorkerExtension.twinkle_engine_params`'s ``[dtype, shape, bytes]``.
+
+    >>> t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    >>> decode_params({"w": ["float32", [2, 3], t.numpy().tobytes()]})["w"].equal(t)
+    True
+    """
+    out = {}
+    for name, (dtype, shape, raw) in encoded.items():
+        dt = getattr(torch, dtype)
+        if not raw:
+            out[name] = torch.empty(shape, dtype=dt)
+        else:
+            out[name] = torch.frombuffer(bytearray(raw), dtype=dt).reshape(shape).clone()
+    return out
 
 
 # vLLM imports this module in each worker process of an engine that names EXTENSION, before it builds
