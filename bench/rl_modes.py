@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.rl_modes                       # grpo.py --device cpu --quick (vLLM + Megatron)
     .venv/bin/python -m bench.rl_modes --toy                 # examples/rlhf_grpo.py --quick (no vLLM)
     .venv/bin/python -m bench.rl_modes --steps 20 --seed 1
+    .venv/bin/python -m bench.rl_modes --before /tmp/base   # + plain on an older checkout (git archive REV | tar -x)
 
 Runs the example once per schedule, one after another (each its own process and Ray), reads
 each run's ``RESULT`` line and writes ``bench/results/rl-modes-<example>.json`` (per mode: the
@@ -35,15 +36,21 @@ KEEP = ("steps", "mode", "rewards", "step_s", "samples_per_s", "reward_first", "
 logger = logging.getLogger("bench.rl_modes")
 
 
-def command(toy: bool, mode: str, steps: int, seed: int) -> list[str]:
-    """The example's command line for one schedule.
+BEFORE = "plain, before"  # the plain schedule on another checkout (--before)
+
+
+def command(toy: bool, mode: str, steps: int, seed: int, root: Path = ROOT) -> list[str]:
+    """The example's command line for one schedule (``root``: the checkout whose script runs).
 
     >>> command(True, "stream", 20, 0)[1:]
     ['examples/rlhf_grpo.py', '--quick', '--steps', '20', '--seed', '0', '--stream']
     """
     script = "examples/rlhf_grpo.py" if toy else "examples/vllm_megatron/grpo.py"
+    if root != ROOT:
+        script = str(root / script)
     device = [] if toy else ["--device", "cpu"]
-    return [sys.executable, script, *device, "--quick", "--steps", str(steps), "--seed", str(seed), *MODES[mode]]
+    flags = MODES[mode] if mode in MODES else []
+    return [sys.executable, script, *device, "--quick", "--steps", str(steps), "--seed", str(seed), *flags]
 
 
 def result_of(stdout: str) -> dict:
@@ -58,19 +65,21 @@ def result_of(stdout: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def run_mode(toy: bool, mode: str, steps: int, seed: int, timeout_s: float) -> dict:
+def run_mode(toy: bool, mode: str, steps: int, seed: int, timeout_s: float, root: Path = ROOT) -> dict:
     """One run of the example in ``mode``: its RESULT (the keys in KEEP) and its wall seconds."""
-    argv = command(toy, mode, steps, seed)
+    argv = command(toy, mode, steps, seed, root)
     logger.info("running %s", " ".join(argv[1:]))
     t0 = time.perf_counter()
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": str(root)})
     wall = time.perf_counter() - t0
     if done.returncode != 0:
         raise RuntimeError(f"{mode}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     result = result_of(done.stdout)
     kept = {k: result[k] for k in KEEP if k in result}
     kept["loop_s"] = result.get("train_s", result.get("seconds"))
+    if "samples_per_s" not in kept:  # an older checkout's RESULT: from its steps and the loop's seconds
+        kept["samples_per_s"] = result["steps"] * 16 * 8 / kept["loop_s"]  # --quick: 16 prompts x 8
     kept["wall_s"] = wall
     return kept
 
@@ -89,7 +98,7 @@ def plot(figures: dict, path: Path, title: str) -> Path | None:
         steps = range(1, len(f["step_s"]) + 1)
         a.plot(steps, f["step_s"], label=mode)
         c.plot(steps, f["rewards"], label=mode)
-    b.bar(list(figures), [f["samples_per_s"] for f in figures.values()], color=["C0", "C1", "C2"][:len(figures)])
+    b.bar(list(figures), [f["samples_per_s"] for f in figures.values()], color=[f"C{i}" for i in range(len(figures))])
     a.set(title="wall time per step", xlabel="step", ylabel="seconds")
     b.set(title="trained samples per second", ylabel="samples/s")
     c.set(title="mean reward per step", xlabel="step", ylabel="reward")
@@ -110,11 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
     p.add_argument("--out", default=None, help="the JSON path [bench/results/rl-modes-<example>.json]")
+    p.add_argument("--before", default=None, metavar="DIR",
+                   help="also run the plain schedule of the checkout in DIR (e.g. the commit before a change)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     steps = args.steps or (20 if args.toy else 40)
     name = "rlhf_grpo" if args.toy else "vllm_megatron"
     figures = {mode: run_mode(args.toy, mode, steps, args.seed, args.timeout_s) for mode in args.modes}
+    if args.before:
+        figures[BEFORE] = run_mode(args.toy, BEFORE, steps, args.seed, args.timeout_s, Path(args.before).resolve())
     out = Path(args.out) if args.out else RESULTS / f"rl-modes-{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     base = figures.get("plain")
