@@ -125,21 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     steps = args.steps or (20 if args.toy else 40)
     name = "rlhf_grpo" if args.toy else "vllm_megatron"
-    figures = {mode: run_mode(args.toy, mode, steps, args.seed, args.timeout_s) for mode in args.modes}
-    if args.before:
-        figures[BEFORE] = run_mode(args.toy, BEFORE, steps, args.seed, args.timeout_s, Path(args.before).resolve())
     out = Path(args.out) if args.out else RESULTS / f"rl-modes-{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    base = figures.get("plain")
-    summary = {mode: {"loop_s": f["loop_s"], "median_step_s": sorted(f["step_s"])[len(f["step_s"]) // 2],
-                      "samples_per_s": f["samples_per_s"], "reward_first": f.get("reward_first"),
-                      "reward_last": f.get("reward_last"), "max_logprob_gap": f.get("max_logprob_gap"),
-                      "wall_s": f["wall_s"],
-                      "speedup_vs_plain": base["loop_s"] / f["loop_s"] if base else None}
-               for mode, f in figures.items()}
-    doc = {"example": name, "steps": steps, "seed": args.seed, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-           "machine": f"{os.cpu_count()} CPUs", "summary": summary, "runs": figures}
-    out.write_text(json.dumps(doc, indent=1))
+    figures: dict = {}
+    runs = [(mode, ROOT) for mode in args.modes] + ([(BEFORE, Path(args.before).resolve())] if args.before else [])
+    for mode, root in runs:  # each run's figures written as soon as it ends: a failed run keeps the others
+        figures[mode] = run_mode(args.toy, mode, steps, args.seed, args.timeout_s, root)
+        summary = write(figures, out, name, steps, args.seed)
     png = plot(figures, out.with_suffix(".png"), f"{name}: GRPO plain / --async 1 / --stream, {steps} steps, "
                                                  f"seed {args.seed}")
     for mode, s in summary.items():
@@ -148,6 +140,22 @@ def main(argv: list[str] | None = None) -> int:
                     s["reward_last"] or 0, s["speedup_vs_plain"] or 0)
     logger.info("wrote %s%s", out, f" and {png}" if png else " (no PNG: matplotlib is not installed)")
     return 0
+
+
+def write(figures: dict, out: Path, name: str, steps: int, seed: int) -> dict:
+    """The runs so far and their summary, as ``out`` (JSON); returns the summary."""
+    base = figures.get("plain")
+    summary = {mode: {"loop_s": f["loop_s"], "median_step_s": sorted(f["step_s"])[len(f["step_s"]) // 2],
+                      "samples_per_s": f["samples_per_s"], "reward_first": f.get("reward_first"),
+                      "reward_last": f.get("reward_last"), "max_logprob_gap": f.get("max_logprob_gap"),
+                      "wall_s": f["wall_s"],
+                      "speedup_vs_plain": base["loop_s"] / f["loop_s"] if base else None}
+               for mode, f in figures.items()}
+    doc = {"example": name, "steps": steps, "seed": seed, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end",
+           "summary": summary, "runs": figures}
+    out.write_text(json.dumps(doc, indent=1))
+    return summary
 
 
 if __name__ == "__main__":
