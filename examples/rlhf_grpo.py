@@ -29,6 +29,7 @@ metrics.
     python examples/rlhf_grpo.py --ray-data      # prompts from a Ray Data dataset
     python examples/rlhf_grpo.py --async 1       # generation of step k+1 overlaps training of step k
     python examples/rlhf_grpo.py --quick --long-tail --balance 1   # long-tailed generation, balanced
+    python examples/rlhf_grpo.py --quick --stream   # fully async: partial rollouts, weights synced in flight
     python examples/rlhf_grpo.py --chaos         # SIGKILL a trainer/sampler worker every 5 steps
     python examples/rlhf_grpo.py --checkpoint-dir /tmp/grpo   # a checkpoint every 5 steps
     python examples/rlhf_grpo.py --checkpoint-dir /tmp/grpo --resume   # after the driver died
@@ -50,6 +51,22 @@ without blocking the driver (``sync_weights(..., wait=False)`` takes its place
 in both gangs' call order). The samplers generate while the trainer trains;
 each step trains on samples N versions old (fewer while the pipeline fills),
 and the GRPO ratio uses the sampler's own (behaviour) log-probs.
+
+``--stream`` (``--max-staleness S``, default 1; ``--in-flight K``; ``--token-s T``) is fully
+asynchronous GRPO with partial rollouts, as vLLM's ``AsyncLLM`` runs it in
+``examples/vllm_megatron/grpo.py --stream``: each sampler runs K requests (one prompt's group
+each) at once as an ``async def`` balanced method, sampling a token at a time and awaiting T
+seconds after each (an engine step); each step's prompts go out up to S steps ahead of
+training, the driver reads the groups with ``as_completed()`` and trains as soon as a step's
+are in, and the weight sync after each step does not wait. A sync that lands while requests
+run is applied between two of their tokens (the runtime suspends them at their awaits), so a
+request may span a sync: a partial rollout, each token's log-prob the one it was sampled with.
+Every sample's ``versions`` (first, last) come from ``Completed``; staleness (the trainer's
+version minus the first) is bounded by S by admission. Per step it logs the staleness, the
+samples that spanned a sync, the log-prob gap on samples generated under one version (against
+the trainer's weights of that version, which it keeps for S + 1 versions) and samples/s; the
+RESULT adds ``inflight_syncs``, ``spanned``, ``max_staleness_seen``, ``max_staleness``,
+``max_logprob_gap``, ``samples_per_s``.
 
 ``--long-tail [S]`` makes generation long-tailed: each prompt also takes S
 seconds (0.01) times a simulated length (Pareto, alpha 1.2, fixed per prompt:
@@ -86,6 +103,7 @@ recovered from and the reward rose.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import json
 import os
@@ -188,6 +206,33 @@ class Sampler(WeightSyncMixin):
             span[1] = time.time()
         return {"prompt": p.numpy(), "answer": answers.numpy(), "logp": logp.numpy(), "version": version}
 
+    async def rollout_async(self, prompt: list[int], tag: int | None, token_s: float) -> dict:
+        """One prompt's group_size answers, a token at a time, awaiting ``token_s`` (plus its
+        simulated length's share with ``--long-tail``) after each token, as an engine step
+        would: a weight sync that lands meanwhile (in flight, while the request awaits) changes
+        the weights the next tokens are sampled with, a partial rollout. Each token's log-prob
+        is the one it was sampled with; ``version`` / ``version_last``: the policy's version
+        when the request started / ended."""
+        start = time.time()
+        p = torch.tensor([prompt], dtype=torch.long).repeat(self.group_size, 1)
+        answers = torch.zeros_like(p)
+        logp = torch.zeros(p.shape, dtype=torch.float32)
+        first = int(self.model.version)
+        pause = token_s + self.long_tail_s * simulated_length(prompt) / LENGTH
+        for t in range(LENGTH):
+            with torch.no_grad():
+                lp = self.model(p, answers)[:, t]
+            tok = torch.multinomial(lp.exp(), 1, generator=self.gen)[:, 0]
+            answers[:, t] = tok
+            logp[:, t] = lp.gather(1, tok[:, None])[:, 0]
+            await asyncio.sleep(pause)
+        if tag is not None:
+            span = self.spans.setdefault(tag, [start, start])
+            span[1] = time.time()
+        n = self.group_size
+        return {"prompt": p.numpy(), "answer": answers.numpy(), "logp": logp.numpy(),
+                "version": np.full(n, first), "version_last": np.full(n, int(self.model.version))}
+
     @remote_function(dispatch="all", collect="none")
     def generate_spans(self) -> dict:
         """Every rank: {tag: [start, end]} of its tagged generate calls since the last ask."""
@@ -244,6 +289,30 @@ def balanced_sampler(cls: type, chunk: int | None) -> type:
     return BalancedSampler
 
 
+def streaming_sampler(cls: type, in_flight: int) -> type:
+    """``cls`` plus ``generate_stream`` (``--stream``): one request (a prompt's group) per chunk,
+    ``async def``, ``in_flight`` at once on each sampler, each request sampled a token at a time
+    (:meth:`Sampler.rollout_async`), read with ``as_completed()``::
+
+        sampler = streaming_sampler(Sampler, 8)(mesh, 8, 0, token_s=0.005, remote_group="sampler")
+        for c in sampler.generate_stream(prompts).as_completed():
+            c.value, c.versions      # the prompt's group (arrays [group_size, ...]), (first, last)
+    """
+
+    @remote_class()
+    class StreamingSampler(cls):
+        def __init__(self, *args, token_s: float = 0.005, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.token_s = token_s  # an engine step's seconds: each request awaits it after each token
+
+        @remote_function(dispatch="balance", collect="flatten", chunk_size=1, in_flight=in_flight)
+        async def generate_stream(self, prompts: list, tag: int | None = None) -> list[dict]:
+            return [await self.rollout_async(list(p), tag, self.token_s) for p in prompts]
+
+    StreamingSampler.__name__ = StreamingSampler.__qualname__ = f"{cls.__name__}Streaming"
+    return StreamingSampler
+
+
 def generate(sampler, prompts, balance: bool, tag: int | None = None):
     """Rollouts of a batch (a LazyResult): per data rank (``slice_dp``), or balanced (``--balance``):
     each prompt's answers then come back as one item and are made rows again in the sampler gang
@@ -285,6 +354,7 @@ class Trainer(WeightSyncMixin):
         self.clip = clip
         self.max_staleness = max_staleness  # --async N: samples up to N versions old are applied
         self.last_metrics: dict = {}
+        self.kept: dict[int, dict] = {}  # version -> weights (the last max_staleness + 1): gap checks
 
     @remote_function(dispatch="slice_dp", collect="mean")
     def train_step(self, rollouts: dict, scores: dict) -> dict:
@@ -306,6 +376,7 @@ class Trainer(WeightSyncMixin):
         answers = torch.tensor(rollouts["answer"])
         old_logp = torch.tensor(rollouts["logp"])
         adv = torch.tensor(scores["advantage"])[:, None]
+        gap = self._gap(rollouts, prompts, answers, old_logp, version)
         lp_all = self.ddp(prompts, answers)
         logp = lp_all.gather(-1, answers[..., None])[..., 0]
         ratio = torch.exp(logp - old_logp)
@@ -318,8 +389,31 @@ class Trainer(WeightSyncMixin):
         self.model.version += 1
         self.last_metrics = {"loss": loss.item(), "entropy": entropy.item(),
                              "reward": float(np.mean(scores["reward"])), "applied": 1.0,
-                             "version": float(version + 1), "sample_version": sample_version}
+                             "version": float(version + 1), "sample_version": sample_version, "gap": gap}
         return self.last_metrics
+
+    def _gap(self, rollouts: dict, prompts, answers, old_logp, version: int) -> float:
+        """Largest |sampler - trainer| log-prob over the rows sampled under one weight version
+        (``version_last`` == ``version``), the trainer's computed under that version's weights (the
+        last ``max_staleness + 1`` are kept); -1 when there is none. The max over the gang."""
+        import torch.distributed as dist
+
+        self.kept[version] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        for v in sorted(self.kept)[:-(self.max_staleness + 1)]:
+            del self.kept[v]
+        gap = torch.tensor([-1.0])
+        if "version_last" in rollouts:
+            first, last = np.asarray(rollouts["version"]), np.asarray(rollouts["version_last"])
+            for v in sorted(set(first[first == last].tolist()) & set(self.kept)):
+                rows = torch.from_numpy(np.flatnonzero((first == v) & (last == v)))
+                policy = Policy()
+                policy.load_state_dict(self.kept[v])
+                with torch.no_grad():
+                    lp = policy(prompts[rows], answers[rows]).gather(-1, answers[rows][..., None])[..., 0]
+                gap = torch.maximum(gap, (lp - old_logp[rows]).abs().max()[None])
+        if dist.is_initialized():
+            dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+        return float(gap.item())
 
     @remote_function(dispatch="all", execute="first", collect="first")
     def status(self) -> dict:
@@ -388,9 +482,11 @@ def prompts_of(rows: list[dict]) -> list:
 
 def build(*, lr: float, batch_size: int, group_size: int, entropy_coef: float, seed: int,
           num_prompts: int, ray_data: bool, chaos: bool = False, max_staleness: int = 0,
-          balance: bool = False, chunk: int | None = None, long_tail_s: float = 0.0):
+          balance: bool = False, chunk: int | None = None, long_tail_s: float = 0.0, in_flight: int = 0,
+          token_s: float = 0.005):
     """The four gangs: (loader, sampler, reward, trainer); with ``chaos`` the self-rebuilding ones,
-    with ``balance`` a sampler that also generates balanced (:func:`balanced_sampler`)."""
+    with ``balance`` a sampler that also generates balanced (:func:`balanced_sampler`), with
+    ``in_flight`` k > 0 one that streams k requests at once (:func:`streaming_sampler`)."""
     sampler_mesh = DeviceMesh.from_sizes(dp_size=2, device_type="cpu")
     trainer_mesh = DeviceMesh.from_sizes(dp_size=2, device_type="cpu")
     if ray_data:
@@ -400,10 +496,13 @@ def build(*, lr: float, batch_size: int, group_size: int, entropy_coef: float, s
     sampler_cls, trainer_cls = (ChaosSampler, ChaosTrainer) if chaos else (Sampler, Trainer)
     if balance:  # --balance [CHUNK]
         sampler_cls = balanced_sampler(sampler_cls, chunk)
+    extra = {}
+    if in_flight:  # --stream
+        sampler_cls, extra = streaming_sampler(sampler_cls, in_flight), {"token_s": token_s}
     with twinkle.start_together():  # the four gangs start up at the same time
         loader = DataLoader(source, batch_size=batch_size, device_mesh=sampler_mesh, shuffle=True, seed=seed,
                             collate_fn=collate, remote_group="data")
-        sampler = sampler_cls(sampler_mesh, group_size, seed, long_tail_s, remote_group="sampler")
+        sampler = sampler_cls(sampler_mesh, group_size, seed, long_tail_s, remote_group="sampler", **extra)
         reward = Reward(group_size, remote_group="reward")
         trainer = trainer_cls(trainer_mesh, lr, entropy_coef, max_staleness=max_staleness, remote_group="trainer")
     return loader, sampler, reward, trainer
@@ -482,7 +581,125 @@ def run(steps: int = 100, *, lr: float = 0.005, batch_size: int = 16, group_size
     gen_s = gen_seconds(sampler.generate_spans()(), list(range(first_step, steps + 1)))
     return {"rewards": rewards, "sync": syncs, "seconds": seconds,
             "resumed_from": latest.step if latest is not None else None, "checkpoints": saves,
-            "policy_versions": versions, "step_s": step_s, "gen_s": gen_s}
+            "policy_versions": versions, "step_s": step_s, "gen_s": gen_s,
+            "samples": (steps - first_step + 1) * batch_size * group_size}
+
+
+# ------------------------------------------------------------------------------ --stream
+def stream_facts(completed: list, version: int) -> dict:
+    """A batch's version facts from its items' ``Completed.versions`` (syncs applied by the
+    sampler gang when the request started / ended) and ``version``, the trainer's version (in the
+    same count) when it trains on them: per item its staleness ``version - first``; the samples
+    whose versions differ (they spanned a sync: partial rollouts); the syncs some sample was in
+    flight across; samples without versions (the runtime could not say) counted apart.
+
+    >>> from collections import namedtuple
+    >>> C = namedtuple("C", "index value rank versions")
+    >>> g = {"prompt": np.zeros((2, 6))}
+    >>> f = stream_facts([C(0, g, 0, (2, 2)), C(1, g, 1, (1, 2)), C(2, g, 0, None)], 2)
+    >>> f["staleness"], f["spanned"], f["synced"], f["unversioned"]
+    ([0, 1], 2, [2], 2)
+    """
+    staleness, spanned, synced, unversioned = [], 0, set(), 0
+    for c in completed:
+        n = len(c.value["prompt"])
+        if c.versions is None:
+            unversioned += n
+            continue
+        first, last = c.versions
+        staleness.append(version - first)
+        if first != last:
+            spanned += n
+            synced.update(range(first + 1, last + 1))
+    return {"staleness": staleness, "spanned": spanned, "synced": sorted(synced), "unversioned": unversioned}
+
+
+def run_stream(steps: int = 20, *, lr: float = 0.01, batch_size: int = 16, group_size: int = 8,
+               entropy_coef: float = 0.05, seed: int = 0, num_prompts: int = 4096, ray_data: bool = False,
+               max_staleness: int = 1, in_flight: int | None = None, token_s: float = 0.005,
+               long_tail_s: float = 0.0, timeout_s: float = 300.0, log=print) -> dict:
+    """``--stream``: fully asynchronous GRPO with partial rollouts (see ``--stream`` in the module
+    docstring). Each step's prompts are one balanced call of one request per prompt
+    (``generate_stream``, ``in_flight`` per sampler; default: each sampler's share of a step),
+    submitted up to ``max_staleness`` steps ahead of training; the driver reads each step's groups
+    with ``as_completed()``, trains once they are all in, and syncs the weights after each step
+    without waiting. Staleness (the trainer's version minus the one a sample began under) is
+    bounded by admission: step b's prompts start after the sync of step b - 1 - s was issued
+    (checked: a violation raises, and the trainer refuses such a batch anyway).
+    """
+    in_flight = in_flight or max(1, batch_size // 2)
+    loader, sampler, reward, trainer = build(
+        lr=lr, batch_size=batch_size, group_size=group_size, entropy_coef=entropy_coef, seed=seed,
+        num_prompts=num_prompts, ray_data=ray_data, max_staleness=max_staleness, in_flight=in_flight,
+        token_s=token_s, long_tail_s=long_tail_s)
+    first_sync = sync_weights(trainer, sampler)  # sets up the channel: the sampler gang's version 1
+    log(f"weight sync set up: {first_sync}")
+    synced = 1
+    batches = endless(loader)
+    waves: dict = {}
+    rewards, syncs, gaps, step_s, facts, versions, pending = [], [], [], [], [], [], []
+
+    def submit(b: int) -> None:
+        waves[b] = sampler.generate_stream(next(batches), tag=b)
+
+    def finish(item: dict) -> None:
+        m = item["metrics"]()
+        stats = twinkle.get(item["sync"])
+        if not m["applied"]:
+            raise StaleRollouts(f"step {item['step']}: the trainer refused its batch (samples beyond "
+                                f"max_staleness {max_staleness})")
+        f = item["facts"]
+        rewards.append(m["reward"])
+        syncs.append(stats)
+        gaps.append(m["gap"] if m["gap"] >= 0 else None)
+        versions.append(int(m["sample_version"]))
+        log(f"{step_line(item['step'], steps, m, stats, item['step_s'])}  staleness max "
+            f"{max(f['staleness'], default=0)}  spanned {f['spanned']}/{item['samples']}  "
+            f"gap {'-' if gaps[-1] is None else f'{gaps[-1]:.1e}'}  samples/s {item['samples'] / item['step_s']:.0f}")
+
+    start = t0 = time.perf_counter()
+    for b in range(1, min(steps, 1 + max_staleness) + 1):
+        submit(b)
+    for b in range(1, steps + 1):
+        version = synced + b - 1  # syncs the trainer has sent before step b: its weights' version
+        got = sorted(waves.pop(b).as_completed(timeout=timeout_s), key=lambda c: c.index)
+        f = stream_facts(got, version)
+        if max(f["staleness"], default=0) > max_staleness:
+            raise StaleRollouts(f"step {b}: a sample began {max(f['staleness'])} versions behind the trainer "
+                                f"(max_staleness {max_staleness}): the admission bound broke")
+        rows = {k: np.concatenate([c.value[k] for c in got]) for k in got[0].value}
+        scores = reward.score(rows)
+        metrics = trainer.train_step(rows, scores)
+        sync = sync_weights(trainer, sampler, wait=False)   # in flight once the sampler runs step b+1's requests
+        if b + 1 + max_staleness <= steps:
+            submit(b + 1 + max_staleness)
+        now = time.perf_counter()
+        step_s.append(now - t0)
+        t0 = now
+        facts.append(f)
+        pending.append({"step": b, "metrics": metrics, "sync": sync, "facts": f, "samples": len(rows["prompt"]),
+                        "step_s": step_s[-1]})
+        while len(pending) > 1:
+            finish(pending.pop(0))
+    while pending:
+        finish(pending.pop(0))
+    seconds = time.perf_counter() - start
+    gen_s = gen_seconds(sampler.generate_spans()(), list(range(1, steps + 1)))
+    return {"rewards": rewards, "sync": syncs, "seconds": seconds, "policy_versions": versions, "step_s": step_s,
+            "gen_s": gen_s, "gaps": gaps, "facts": facts, "samples": steps * batch_size * group_size,
+            "max_staleness": max_staleness, "in_flight": in_flight}
+
+
+def stream_summary(out: dict) -> dict:
+    """--stream's RESULT keys, from the versions every sample came back with (nothing assumed)."""
+    facts, gaps = out["facts"], [g for g in out["gaps"] if g is not None]
+    return {"max_logprob_gap": max(gaps) if gaps else None, "gap_checked_steps": len(gaps),
+            "inflight_syncs": len({k for f in facts for k in f["synced"]}),
+            "spanned": sum(f["spanned"] for f in facts), "spanned_per_step": [f["spanned"] for f in facts],
+            "max_staleness_seen": max((max(f["staleness"], default=0) for f in facts), default=0),
+            "staleness_per_step": [max(f["staleness"], default=None) for f in facts],
+            "max_staleness": out["max_staleness"], "unversioned": sum(f["unversioned"] for f in facts),
+            "samples_per_s": out["samples"] / out["seconds"], "in_flight": out["in_flight"]}
 
 
 def step_line(step: int, steps: int, metrics: dict, stats, seconds: float) -> str:
@@ -944,8 +1161,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-tail", nargs="?", type=float, const=0.01, default=0.0, metavar="S",
                         help="each prompt's generation also sleeps S seconds (default 0.01) per unit of "
                              "a long-tailed simulated length (Pareto 1.2, mean 6): where --balance pays")
+    parser.add_argument("--stream", action="store_true",
+                        help="fully asynchronous GRPO with partial rollouts: one request per prompt in flight, "
+                             "read as they complete, weights synced in flight after each step")
+    parser.add_argument("--max-staleness", type=int, default=1, metavar="S",
+                        help="with --stream: samples trained at step b began at most S versions back (default 1)")
+    parser.add_argument("--in-flight", type=int, default=None, metavar="K",
+                        help="with --stream: requests at once per sampler (default: its share of a step)")
+    parser.add_argument("--token-s", type=float, default=0.005, metavar="S",
+                        help="with --stream: seconds a request awaits after each token, as an engine step "
+                             "(default 0.005)")
     add_checkpoint_args(parser)
     args = parser.parse_args(argv)
+    if args.stream and (args.async_steps or args.balance is not None or args.chaos or args.chaos_nodes
+                        or args.checkpoint_dir):
+        parser.error("--stream is its own loop: not with --async, --balance, --chaos, --chaos-nodes or "
+                     "--checkpoint-dir (its staleness bound is --max-staleness)")
+    if args.max_staleness < 0 or (args.in_flight is not None and args.in_flight < 1) or args.token_s < 0:
+        parser.error("--max-staleness and --token-s must be >= 0, --in-flight >= 1")
     if args.balance not in (None, "auto") and not (args.balance.isdigit() and int(args.balance) > 0):
         parser.error(f"--balance takes a positive chunk size, got {args.balance!r}")
     if (args.balance is not None or args.long_tail) and (args.chaos or args.chaos_nodes):
@@ -977,6 +1210,9 @@ def main(argv: list[str] | None = None) -> int:
         print(twinkle.get_device_placement())
         if args.chaos:
             out = run_chaos(steps, kill_every=args.kill_every, lr=lr, seed=args.seed, ray_data=args.ray_data)
+        elif args.stream:
+            out = run_stream(steps, lr=lr, seed=args.seed, ray_data=args.ray_data, max_staleness=args.max_staleness,
+                             in_flight=args.in_flight, token_s=args.token_s, long_tail_s=args.long_tail)
         else:
             out = run(steps, lr=lr, seed=args.seed, ray_data=args.ray_data, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, resume=args.resume, async_steps=args.async_steps,
@@ -1008,7 +1244,16 @@ def main(argv: list[str] | None = None) -> int:
     result = {"steps": len(rewards), "resumed_from": out.get("resumed_from"), "rewards": rewards,
               "checkpoints": out.get("checkpoints", []), "seconds": out["seconds"],
               "async": args.async_steps, "policy_versions": out.get("policy_versions", []),
-              "step_s": out.get("step_s", []), "balance": args.balance, "gen_s": out.get("gen_s", [])}
+              "step_s": out.get("step_s", []), "balance": args.balance, "gen_s": out.get("gen_s", []),
+              "reward_first": float(np.mean(rewards[:k])), "reward_last": float(np.mean(rewards[-k:])),
+              "samples_per_s": out["samples"] / out["seconds"] if out.get("samples") else None,
+              "mode": "stream" if args.stream else (f"async {args.async_steps}" if args.async_steps else "plain")}
+    if args.stream:
+        result.update(stream_summary(out))
+        print(f"stream: {result['inflight_syncs']} syncs applied with requests in flight, {result['spanned']} "
+              f"samples spanned a sync, staleness seen at most {result['max_staleness_seen']} (bound "
+              f"{result['max_staleness']}), log-prob gap {result['max_logprob_gap']}, "
+              f"{result['samples_per_s']:.0f} samples/s")
     print("RESULT " + json.dumps(result), flush=True)  # the last line (before the chaos: line with --chaos)
     if not args.chaos:
         return 0

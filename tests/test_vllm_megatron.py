@@ -4,6 +4,9 @@
 - an unsupported head_dim is refused before any engine (or gang) starts;
 - the --quick run learns (reward_last clearly above reward_first) and after every weight sync both
   vLLM engines' log-probs on the probe batch equal the Megatron trainer's within 1e-4;
+- --stream (AsyncLLM engines, one request per prompt in flight, weights synced in flight): learns,
+  every trained sample within --max-staleness, samples generated under one version match the
+  trainer's log-probs under it within 1e-4, the RESULT's stream keys agree;
 - --pp 2 (TP=1 x PP=2) with --async 1 --balance 2 --long-tail: one run (each vLLM + Megatron start-up
   costs ~40 s of CI), shared by two tests: the pipeline-parallel trainer keeps the engines within
   the same bound at every step, and training one version behind with balanced generation learns.
@@ -112,6 +115,31 @@ def test_unsupported_head_dim_is_refused_before_any_engine(bad_head_dim, tmp_pat
         twinkle_ray.shutdown()
 
 
+def test_stream_flags_and_version_facts(capsys):
+    """--stream's flags are checked before anything starts; a batch's staleness, spans and the syncs
+    it was in flight across are read from its items' versions."""
+    from collections import namedtuple
+
+    from examples.vllm_megatron import grpo
+
+    for argv in (["--stream", "--async", "1"], ["--stream", "--balance", "2"], ["--max-staleness", "-1"]):
+        with pytest.raises(SystemExit):
+            grpo.parse(argv)
+        err = capsys.readouterr().err
+        assert "--stream is its own schedule" in err or "--max-staleness takes an int >= 0" in err, err
+    args = grpo.parse(["--stream", "--batch-size", "16"])
+    assert args.max_staleness == 1  # the default bound
+    assert grpo.stream_in_flight(args, twinkle_ray.DeviceMesh.from_sizes(dp_size=2, device_type="cpu")) == 8
+    C = namedtuple("C", "index value rank versions")
+    rows = [{}] * 8
+    f = grpo.stream_versions([C(0, rows, 0, (2, 4)), C(1, rows, 1, (4, 4)), C(2, rows, 0, (3, 4))], 4)
+    assert f["staleness"] == [2, 0, 1] and f["spanned"] == 16 and f["synced"] == [3, 4]
+    assert (f["first"], f["last"], f["unversioned"]) == (2, 4, 0)
+    result = grpo.stream_result({"facts": [f], "gaps": [None]}, 2, 1e-6)
+    assert result["inflight_syncs"] == 2 and result["max_staleness_seen"] == 2 and result["spanned"] == 16
+    assert result["gap_checked_steps"] == 0 and result["final_probe_gap"] == 1e-6
+
+
 @needs_stack
 def test_grpo_refuses_a_bad_head_dim_before_starting_gangs(bad_head_dim, tmp_path, ray_session):
     grpo = _modules()
@@ -218,3 +246,41 @@ def test_async_balanced_quick_run_learns_one_version_behind(pp_async_balanced_ru
     long_tail = result["long_tail"]
     assert len(long_tail["max_tokens"]) == 16
     assert long_tail["slice_dp_s"] > 0 and long_tail["balance_s"] > 0
+
+
+def _syncs_land_in_flight() -> bool:
+    """Whether this runtime applies a sync inside a running balanced call (the in-flight interface;
+    its ``max_staleness=`` on balanced methods comes with it). Before it, a sync waits for the call."""
+    import inspect
+
+    return "max_staleness" in inspect.signature(twinkle_ray.remote_function).parameters
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@needs_stack
+def test_stream_quick_run_learns_with_partial_rollouts(ray_session, capsys, tmp_path):
+    """--stream: the engines are AsyncLLMs with one request per prompt in flight, read with
+    as_completed; the weight sync after each step does not wait and lands in flight (keep-mode
+    pause, update, resume) once the runtime applies syncs inside running calls. Every sample
+    trained began at most --max-staleness (1) versions behind the trainer; samples generated under
+    one version match the trainer's log-probs under that version within 1e-4, and so does the
+    probe batch after the last sync; the RESULT's stream keys agree; the policy learns."""
+    result, out = _run(["--device", "cpu", "--quick", "--steps", str(STEPS), "--stream", "--out-dir", str(tmp_path)])
+    with capsys.disabled():
+        print("\n--stream:", {k: result[k] for k in ("reward_first", "reward_last", "max_logprob_gap",
+                                                      "inflight_syncs", "spanned", "max_staleness_seen",
+                                                      "samples_per_s", "train_s", "total_s")})
+    for key in ("reward_first", "reward_last", "max_logprob_gap", "inflight_syncs", "spanned",
+                "max_staleness_seen", "max_staleness", "steps", "samples_per_s"):
+        assert key in result, key
+    assert result["mode"] == "stream" and result["steps"] == STEPS and result["max_staleness"] == 1
+    per_step = result["staleness_per_step"]
+    assert len(per_step) == STEPS and result["max_staleness_seen"] == max(per_step) <= 1, per_step
+    assert result["max_logprob_gap"] <= 1e-4 and result["final_probe_gap"] <= 1e-4, result["logprob_gaps"]
+    assert result["gap_checked_steps"] >= 1 and result["unversioned"] == 0
+    assert result["spanned"] == sum(result["spanned_per_step"])
+    assert (result["spanned"] > 0) == (result["inflight_syncs"] > 0)
+    if _syncs_land_in_flight():
+        assert result["inflight_syncs"] >= 1 and result["spanned"] >= 1, result
+    assert result["reward_last"] > result["reward_first"] + 0.05, (result["reward_first"], result["reward_last"])

@@ -8,6 +8,7 @@
     .venv/bin/python examples/vllm_megatron/grpo.py --device cpu --quick
     .venv/bin/python examples/vllm_megatron/grpo.py --device cpu --quick --pp 2
     .venv/bin/python examples/vllm_megatron/grpo.py --device cpu --quick --async 1   # overlapped
+    .venv/bin/python examples/vllm_megatron/grpo.py --device cpu --quick --stream    # fully async, partial rollouts
     .venv/bin/python examples/vllm_megatron/grpo.py --device cpu --quick --balance 2 --long-tail
     python examples/vllm_megatron/grpo.py --device cuda              # the same script on 2 + 2 GPUs
     ray job submit --working-dir . -- python examples/vllm_megatron/grpo.py --device cpu --quick
@@ -36,6 +37,28 @@ call order), so the engines generate while Megatron trains. The GRPO ratio
 uses the engines' own (behaviour) log-probs. The probe check runs after each
 sync on both gangs in their call order, so it compares the engines with the
 trainer at the version the engines then hold.
+
+``--stream`` (fully asynchronous GRPO with partial rollouts, ``--max-staleness S``, default 1):
+the engines are ``AsyncLLM`` s with one request per prompt in flight
+(``vllm_sampler.streaming_sampler``: a balanced ``async def`` call, ``in_flight`` = each engine's
+share of a step, its batch); each step's prompts go out as one such call up to S steps ahead of
+training, the driver reads the groups with ``as_completed()`` as they finish, trains as soon as
+the step's groups are complete, and issues the weight sync after each step without waiting
+(``sync_weights(..., wait=False)``). A sync that lands while requests run is applied in flight:
+each engine pauses (``AsyncLLM.pause_generation(mode="keep")``), loads the weights through
+vLLM's weight-transfer API and resumes, so a request may span a sync (a partial rollout; its KV
+is recomputed under the new weights, see ``vllm_sampler``). Every sample comes back with the
+versions that produced it (``Completed.versions = (first, last)``); its staleness is the
+trainer's version minus ``first``, bounded by S by admission (the prompts of step b start after
+the sync of step b - 1 - S was issued; a violation raises). The per-step log line says the
+reward, the samples' versions, the largest staleness, how many samples spanned a sync, the
+log-prob gap and samples/s. The probe check of the other modes cannot run between steps here
+(a call on the sampler gang waits for the running one): instead, every step compares up to 8
+samples generated under a single weight version with the trainer's log-probs under that same
+version (the trainer keeps its last S + 1 versions' weights: ``keep_version``), and after the
+last step the probe batch is compared once. The RESULT adds ``inflight_syncs`` (syncs some
+sample was in flight across, read from the versions), ``spanned``, ``max_staleness_seen``,
+``max_staleness``, ``samples_per_s`` (every mode has it) and per-step lists.
 
 ``--balance [CHUNK]`` generates with ``dispatch='balance'``: chunks of CHUNK
 prompts go to whichever engine is free (``vllm_sampler.balanced_sampler``; no
@@ -80,6 +103,7 @@ from examples.vllm_megatron.vllm_sampler import (  # noqa: E402
     VLLMSampler,
     balanced_sampler,
     check_model,
+    streaming_sampler,
 )
 from twinkle_ray import DeviceGroup, DeviceMesh, remote_class, remote_function  # noqa: E402
 from twinkle_ray.data import DataLoader  # noqa: E402
@@ -143,18 +167,28 @@ def build(model: str, sampler_mesh: DeviceMesh, trainer_mesh: DeviceMesh, args) 
     from examples.vllm_megatron.megatron_trainer import MegatronTrainer
 
     sampler_cls = VLLMSampler if args.balance is None else balanced_sampler(balance_chunk(args))  # --balance
+    max_num_seqs = args.batch_size * args.group_size
+    if args.stream:  # one request per prompt, each engine's share of a step in flight at once: its batch
+        in_flight = stream_in_flight(args, sampler_mesh)
+        sampler_cls, max_num_seqs = streaming_sampler(in_flight), in_flight * args.group_size
     with twinkle.start_together():  # the vLLM engines and the Megatron gang start up at the same time
         loader = DataLoader(functools.partial(make_prompts, args.num_prompts, args.digits, args.seed),
                             batch_size=args.batch_size, device_mesh=sampler_mesh, shuffle=True, seed=args.seed,
                             remote_group="data")
         sampler = sampler_cls(model, device_mesh=sampler_mesh, n=args.group_size, temperature=1.0,
                               max_tokens=args.digits, min_tokens=args.digits, ignore_eos=True, dtype="float32",
-                              max_model_len=64, max_num_seqs=args.batch_size * args.group_size, seed=args.seed,
+                              max_model_len=64, max_num_seqs=max_num_seqs, seed=args.seed,
                               cache_dir=args.cache_dir, remote_group="sampler")
         trainer = MegatronTrainer(model, device_mesh=trainer_mesh, lr=args.lr, ppo_epochs=args.ppo_epochs,
                                   clip=0.2, entropy_coef=args.entropy_coef, seed=args.seed, remote_group="trainer")
         reward = DigitReward(args.group_size, remote_group="reward")
     return {"loader": loader, "sampler": sampler, "reward": reward, "trainer": trainer}
+
+
+def stream_in_flight(args, sampler_mesh: DeviceMesh) -> int:
+    """--stream's requests in flight per engine: its share of a step's prompts (the engine batches
+    them all: ``max_num_seqs`` = that times the group size)."""
+    return max(1, args.batch_size // sampler_mesh.data_world_size)
 
 
 def balance_chunk(args) -> int | None:
@@ -282,6 +316,142 @@ def train(gangs: dict, probe: list[dict], steps: int, max_gap: float, async_step
             "policy_versions": versions, "step_s": step_s, "gen_s": gen_s}
 
 
+def stream_versions(completed: list, version: int) -> dict:
+    """A batch's per-sample version facts: ``completed`` its items (``Completed``: one prompt's
+    rows each), ``version`` the trainer's when it trains on them. Staleness = ``version - first``
+    (the policy lag: how many trainer updates the sample's first weights are behind); a sample
+    spans a sync when ``first != last``. Items without versions (the runtime could not say)
+    are counted apart.
+
+    >>> from collections import namedtuple
+    >>> C = namedtuple("C", "index value rank versions")
+    >>> f = stream_versions([C(0, [{}, {}], 0, (3, 3)), C(1, [{}], 1, (2, 3)), C(2, [{}], 0, None)], 3)
+    >>> f["staleness"], f["spanned"], f["synced"], f["unversioned"]
+    ([0, 1], 1, [3], 1)
+    """
+    staleness, spanned, synced, unversioned, versions = [], 0, set(), 0, []
+    for c in completed:
+        if c.versions is None:
+            unversioned += len(c.value)
+            continue
+        first, last = c.versions
+        versions.append((first, last))
+        staleness.append(version - first)
+        if last != first:
+            spanned += len(c.value)
+            synced.update(range(first + 1, last + 1))  # the syncs applied while it was in flight
+    return {"staleness": staleness, "spanned": spanned, "synced": sorted(synced), "unversioned": unversioned,
+            "first": min((f for f, _ in versions), default=None), "last": max((v for _, v in versions), default=None)}
+
+
+def train_stream(gangs: dict, steps: int, max_staleness: int, max_gap: float, synced: int = 1,
+                 gap_rows: int = 8, timeout_s: float = 900.0, log=print) -> dict:
+    """``--stream``: fully asynchronous GRPO with partial rollouts (see the module docstring).
+
+    Each step's prompts go to the engines as one balanced call of one request per prompt
+    (``generate_stream``, ``in_flight`` requests per engine), up to ``max_staleness`` steps
+    ahead of training; the batch is read with ``as_completed()`` as its groups finish, scored
+    and trained on; the weight sync after each step does not block the driver and, with the
+    runtime's syncs in flight, lands in the engines while the next steps' requests run
+    (``pause_generation`` / update / ``resume_generation``). Staleness is bounded by admission:
+    the prompts of step b start after the sync of step b - 1 - s is issued, so every sample
+    trained at step b began under weights at most s versions old (checked: a violation raises).
+    ``synced``: syncs the sampler had before the first step (its weights' version = the
+    trainer's before step 1). Per step, up to ``gap_rows`` samples generated under one weight
+    version are compared with the trainer's log-probs under that version (``keep_version``).
+    """
+    sampler, reward, trainer = gangs["sampler"], gangs["reward"], gangs["trainer"]
+    batches = endless(gangs["loader"])
+    waves: dict = {}
+    history, syncs, gaps, step_s = [], [], [], []
+    facts: list[dict] = []
+    pending: list = []
+    start = t0 = time.perf_counter()
+
+    def submit(b: int) -> None:  # the prompts of step b, one request each, in flight on the engines
+        waves[b] = sampler.generate_stream(next(batches), tag=b)
+
+    def finish(item: dict) -> None:  # a step's metrics, gap and sync, once they are done; its log line
+        m = item["metrics"]()
+        sync = sync_info(twinkle.get(item["sync"]))
+        gap = None
+        for rows, lazy in item["gap"]:
+            want = lazy()
+            for r, w in zip(rows, want, strict=True):
+                d = float(np.abs(np.array(r["logprobs"], dtype=np.float64) - np.array(w, dtype=np.float64)).max())
+                gap = d if gap is None else max(gap, d)
+        history.append(m)
+        syncs.append(sync)
+        gaps.append(gap)
+        f, b = item["facts"], item["step"]
+        rate = item["samples"] / item["step_s"]
+        log(f"step {b:3d}/{steps}  reward {m['reward']:.3f}  loss {m['loss']:+.4f}  entropy {m['entropy']:.2f}  "
+            f"|r-1| {m['ratio_err']:.1e}  trainer v{item['version']}  samples v{f['first']}..v{f['last']}  "
+            f"staleness max {max(f['staleness'], default=0)}  spanned {f['spanned']}/{item['samples']}  "
+            f"gap {'-' if gap is None else f'{gap:.1e}'} ({item['checked']} single-version)  "
+            f"samples/s {rate:.0f}  train {m['step_s']:.2f}s  sync {sync['seconds']:.3f}s  step {item['step_s']:.2f}s")
+        if gap is not None and gap > max_gap:
+            raise RuntimeError(f"step {b}: samples generated under one weight version differ from the trainer's "
+                               f"log-probs under it by {gap:.3e} (bound {max_gap:g}): the weight sync did not land")
+
+    for b in range(1, min(steps, 1 + max_staleness) + 1):
+        submit(b)
+    for b in range(1, steps + 1):
+        version = synced + b - 1  # the trainer's weights before step b: the content of sync #version
+        got = list(waves.pop(b).as_completed(timeout=timeout_s))
+        got.sort(key=lambda c: c.index)
+        f = stream_versions(got, version)
+        if max(f["staleness"], default=0) > max_staleness:
+            raise RuntimeError(f"step {b}: a sample began under weights {max(f['staleness'])} versions behind "
+                               f"the trainer's (max_staleness {max_staleness}): the admission bound broke")
+        rows = [r for c in got for r in c.value]
+        by_version: dict = {}  # version -> up to gap_rows samples generated under it alone
+        for c in got:
+            if c.versions is not None and c.versions[0] == c.versions[1]:
+                picked = by_version.setdefault(c.versions[0], [])
+                if len(picked) < gap_rows:
+                    picked.append(c.value[0])
+        trainer.keep_version(version, keep=max_staleness + 1)   # before this step's update, in the trainer's order
+        checks = [(probe, trainer.probe_logprobs(probe, version=v)) for v, probe in sorted(by_version.items())]
+        scores = reward.score(rows)
+        metrics = trainer.train_step(rows, scores)
+        sync = sync_weights(trainer, sampler, wait=False)   # in flight in the engines once they run step b+1..
+        if b + 1 + max_staleness <= steps:
+            submit(b + 1 + max_staleness)
+        now = time.perf_counter()
+        step_s.append(now - t0)
+        t0 = now
+        facts.append(f)
+        pending.append({"step": b, "version": version, "metrics": metrics, "sync": sync, "facts": f,
+                        "gap": checks,
+                        "checked": sum(len(p) for p in by_version.values()), "samples": len(rows),
+                        "step_s": step_s[-1]})
+        while len(pending) > 1:   # the previous step's: done by now, or soon (the driver never idles the engines)
+            finish(pending.pop(0))
+    while pending:
+        finish(pending.pop(0))
+    seconds = time.perf_counter() - start
+    gen_s = gen_seconds(sampler.generate_spans()(), list(range(1, steps + 1)))
+    return {"history": history, "sync": syncs, "gaps": gaps, "seconds": seconds, "step_s": step_s,
+            "gen_s": gen_s, "facts": facts}
+
+
+def stream_result(out: dict, max_staleness: int, final_gap: float) -> dict:
+    """--stream's RESULT keys, from the versions every sample came back with (nothing assumed):
+    ``inflight_syncs`` the syncs some sample was in flight across (its first version before the
+    sync, its last after), ``spanned`` the samples whose versions differ, ``max_staleness_seen``
+    the largest trainer version minus first version of a trained sample."""
+    facts = out["facts"]
+    return {"stream": True, "max_staleness": max_staleness,
+            "max_staleness_seen": max((max(f["staleness"], default=0) for f in facts), default=0),
+            "staleness_per_step": [max(f["staleness"], default=None) for f in facts],
+            "spanned": sum(f["spanned"] for f in facts), "spanned_per_step": [f["spanned"] for f in facts],
+            "inflight_syncs": len({k for f in facts for k in f["synced"]}),
+            "unversioned": sum(f["unversioned"] for f in facts),
+            "sample_versions": [[f["first"], f["last"]] for f in facts],
+            "final_probe_gap": final_gap, "gap_checked_steps": sum(g is not None for g in out["gaps"])}
+
+
 def evaluate_checkpoint(path: str, digits: int, n: int = 200, seed: int = 12345) -> float:
     """Load the HF checkpoint with ``from_pretrained`` and score greedy answers on fresh prompts."""
     import torch
@@ -329,9 +499,20 @@ def parse(argv: list[str] | None):
     p.add_argument("--long-tail", action="store_true",
                    help="after training, time one generation of a long-tailed prompt set (per-prompt "
                         "max_tokens, Pareto 1.2): slice_dp, and balanced with --balance")
+    p.add_argument("--stream", action="store_true",
+                   help="fully asynchronous GRPO with partial rollouts: one request per prompt in flight on "
+                        "the engines, read as they complete, weights synced in flight after each step")
+    p.add_argument("--max-staleness", type=int, default=1, metavar="S",
+                   help="with --stream: a sample trained at step b began under weights at most S versions old "
+                        "(0: on-policy)")
     args = p.parse_args(argv)
     if args.balance not in (None, "auto") and not (args.balance.isdigit() and int(args.balance) > 0):
         p.error(f"--balance takes a positive chunk size, got {args.balance!r}")
+    if args.max_staleness < 0:
+        p.error(f"--max-staleness takes an int >= 0, got {args.max_staleness}")
+    if args.stream and (args.async_steps or args.balance is not None):
+        p.error("--stream is its own schedule: it takes neither --async nor --balance (its staleness bound is "
+                "--max-staleness, its requests are balanced one by one)")
     return args
 
 
@@ -371,7 +552,17 @@ def main(argv: list[str] | None = None) -> int:
         probe = probe_batch(gangs["sampler"], args.digits, args.seed)
         gap0 = logprob_gap(gangs["sampler"], gangs["trainer"], probe)
         print(f"probe batch: {len(probe)} sequences; initial log-prob gap {gap0:.1e}")
-        out = train(gangs, probe, steps, args.max_gap, args.async_steps, balance=args.balance is not None)
+        final_gap = None
+        if args.stream:
+            out = train_stream(gangs, steps, args.max_staleness, args.max_gap)
+            # the weights the last sync left in the engines against the trainer's (both after it, in order)
+            final_gap = logprob_gap(gangs["sampler"], gangs["trainer"], probe)
+            print(f"probe batch after the last sync: log-prob gap {final_gap:.1e}")
+            if final_gap > args.max_gap:
+                raise RuntimeError(f"after the last sync the engines' log-probs differ from the trainer's by "
+                                   f"{final_gap:.3e} (bound {args.max_gap:g}): a sync in flight did not land")
+        else:
+            out = train(gangs, probe, steps, args.max_gap, args.async_steps, balance=args.balance is not None)
         phases["train_s"] = out["seconds"]
         long_tail = long_tail_step(gangs["sampler"], args) if args.long_tail else None
         if long_tail:
@@ -402,26 +593,36 @@ def main(argv: list[str] | None = None) -> int:
     phases["eval_s"] = time.perf_counter() - t0
     print(f"HF checkpoint: {ckpt} (from_pretrained OK; greedy reward on 200 fresh prompts {greedy:.3f})")
     train_s = [m["step_s"] for m in out["history"]]
+    samples = steps * args.batch_size * args.group_size
+    gaps = [g for g in out["gaps"] if g is not None] + ([final_gap] if args.stream else [])
     result = {
         "steps": steps, "device": args.device, "trainer_layout": "pp=2" if args.pp == 2 else "tp=2",
         "reward_first": first_r, "reward_last": last_r, "rewards": rewards, "greedy_reward": greedy,
-        "max_logprob_gap": max(out["gaps"]), "logprob_gaps": out["gaps"], "initial_logprob_gap": gap0,
+        "max_logprob_gap": max(gaps), "logprob_gaps": out["gaps"], "initial_logprob_gap": gap0,
         "max_ratio_err": max(m["ratio_err"] for m in out["history"]),
         "sync_mb": syncs[-1]["mb"], "sync_s": float(np.mean([s["seconds"] for s in syncs])),
         "sync_wall_s": (float(np.mean([s["wall_s"] for s in syncs])) if syncs[0]["wall_s"] is not None else None),
         "sync_receivers": syncs[-1]["receivers"],
-        "async": args.async_steps, "policy_versions": out["policy_versions"], "step_s": out["step_s"],
+        "async": args.async_steps, "policy_versions": out.get("policy_versions"), "step_s": out["step_s"],
         "sync_lanes": syncs[-1]["lanes"], "sync_sent_mb": {k: v / 1e6 for k, v in syncs[-1]["sent_bytes"].items()},
         "trainer_step_s": float(np.mean(train_s)),
         "vllm_tokens_per_s": [e["tokens_per_s"] for e in engines],
         "vllm_engine_start_s": [e["import_s"] + e["engine_s"] for e in engines],
+        # per engine: keep-mode pauses around syncs that landed with requests in flight, and their seconds
+        "engine_pauses": [e["paused"] for e in engines], "engine_paused_s": [e["paused_s"] for e in engines],
         "peak_rss_mb": {"sampler": [e["peak_rss_mb"] for e in engines],
                         "trainer": [r["peak_rss_mb"] for r in report],
                         "driver": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024},
         **phases, "total_s": time.perf_counter() - t_start, "checkpoint": ckpt,
         "balance": args.balance, "gen_s": out["gen_s"], "gen_s_mean": float(np.mean(out["gen_s"])),
-        "long_tail": long_tail,
+        "long_tail": long_tail, "samples_per_s": samples / out["seconds"],
+        "mode": "stream" if args.stream else (f"async {args.async_steps}" if args.async_steps else "plain"),
     }
+    if args.stream:
+        result.update(stream_result(out, args.max_staleness, final_gap))
+        print(f"stream: {result['inflight_syncs']} syncs applied with requests in flight, {result['spanned']} of "
+              f"{samples} samples spanned a sync, staleness seen at most {result['max_staleness_seen']} "
+              f"(bound {args.max_staleness}), {result['samples_per_s']:.0f} samples/s")
     print("RESULT " + json.dumps(result))
     return 0
 

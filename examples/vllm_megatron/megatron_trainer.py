@@ -204,6 +204,7 @@ class MegatronTrainer(WeightSyncMixin):
                 optimizer="adam", lr=float(lr), min_lr=float(lr), weight_decay=float(weight_decay),
                 clip_grad=float(grad_clip), bf16=False, fp16=False, params_dtype=torch.float32,
                 use_distributed_optimizer=False), self.model)
+        self.kept: dict[int, list] = {}  # version -> parameters (keep_version)
         self.build_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------------ set-up helpers
@@ -341,13 +342,49 @@ class MegatronTrainer(WeightSyncMixin):
                 forward_only=True)
         return [o["out"] for o in out]
 
+    def _params(self) -> list:
+        return [p for chunk in self.model for p in chunk.parameters()]
+
     @remote_function(dispatch="all", collect="first")
-    def probe_logprobs(self, probe: list[dict]) -> list[list[float]]:
+    def keep_version(self, version: int, keep: int = 2) -> None:
+        """Remember this rank's weights as they are now as ``version`` (the newest ``keep`` are kept):
+        :meth:`probe_logprobs` with ``version=`` computes under them. For checks of samples that
+        engines generated a version or two before the trainer's (``grpo.py --stream``)."""
+        import torch
+
+        with torch.no_grad():
+            self.kept[int(version)] = [p.detach().clone() for p in self._params()]
+        for v in sorted(self.kept)[:-max(1, int(keep))]:
+            del self.kept[v]
+
+    @remote_function(dispatch="all", collect="first")
+    def probe_logprobs(self, probe: list[dict], version: int | None = None) -> list[list[float]]:
         """For each row, log p(completion_ids[j] | prompt_ids + completion_ids[:j]), fp32, eval mode.
 
         Log-probs come from ``vocab_parallel_cross_entropy`` over the TP vocabulary shards. Every rank
-        takes part (TP / PP collectives); every rank returns the same rows.
+        takes part (TP / PP collectives); every rank returns the same rows. ``version``: under the
+        weights :meth:`keep_version` kept as it (KeyError naming the kept ones if none), the current
+        weights restored after.
         """
+        import torch
+
+        if version is None:
+            return self._probe(probe)
+        if int(version) not in self.kept:
+            raise KeyError(f"MegatronTrainer.probe_logprobs: version {version} is not kept (kept: {sorted(self.kept)})")
+        params = self._params()
+        with torch.no_grad():
+            now = [p.detach().clone() for p in params]
+            for p, k in zip(params, self.kept[int(version)], strict=True):
+                p.data.copy_(k)
+        try:
+            return self._probe(probe)
+        finally:
+            with torch.no_grad():
+                for p, k in zip(params, now, strict=True):
+                    p.data.copy_(k)
+
+    def _probe(self, probe: list[dict]) -> list[list[float]]:
         import torch
         from megatron.core import tensor_parallel
 

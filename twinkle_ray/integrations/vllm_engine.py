@@ -20,6 +20,15 @@ completed tensor with ``model.load_weights`` between the start and finish of vLL
     llm.update_weights({"update_info": update_info(channel)})    # the trainer ranks send meanwhile
     llm.finish_weight_update()
 
+An engine whose workers run in processes of their own (``AsyncLLM``: its engine core is always a
+child process, spawned in a Ray actor; CUDA TP > 1: one more per GPU) names
+:data:`EXTENSION` as its ``worker_extension_cls``: vLLM imports this module in each of its worker
+processes before it builds their weight-transfer engines, which registers :data:`BACKEND` there
+too, and the extension's methods answer ``collective_rpc`` by name (no pickled callables)::
+
+    AsyncEngineArgs(model, weight_transfer_config=transfer_config("cpu"), worker_extension_cls=EXTENSION)
+    await engine.collective_rpc("twinkle_engine_figures")   # the last update's figures, per worker
+
 This module imports vLLM; nothing in twinkle_ray imports it but a sampler that builds a vLLM engine.
 """
 
@@ -38,10 +47,11 @@ from ..weights.receiver import ReceiverEnd
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BACKEND", "TwinkleWeightTransferEngine", "WholeOrNothingReload", "init_info", "register",
-           "transfer_config", "update_info"]
+__all__ = ["BACKEND", "EXTENSION", "TwinkleWeightTransferEngine", "TwinkleWorkerExtension", "WholeOrNothingReload",
+           "decode_params", "init_info", "register", "transfer_config", "update_info"]
 
 BACKEND = "twinkle_gloo"  # registered by register(): twinkle_ray's pairs (gloo on CPU, NCCL on CUDA)
+EXTENSION = f"{__name__}.TwinkleWorkerExtension"  # an engine's worker_extension_cls (see the module docstring)
 
 
 class _BelowError(logging.Filter):
@@ -209,3 +219,52 @@ def engine_figures(worker: Any) -> dict:
     """The last update's figures in a vLLM worker (for ``collective_rpc``: a read, not a transfer)."""
     engine = getattr(worker, "weight_transfer_engine", None)
     return dict(getattr(engine, "last", {}) or {})
+
+
+def engine_params(worker: Any) -> dict:
+    """A vLLM worker's weight-transfer engine class and its model's parameters as they are now (CPU
+    copies; vLLM's names: fused qkv_proj / gate_up_proj). For checks."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    params = {n: p.detach().cpu().clone() for n, p in worker.model_runner.get_model().named_parameters()}
+    return {"engine": type(engine).__name__, "params": params}
+
+
+class TwinkleWorkerExtension:
+    """Mixed into every vLLM worker of an engine built with ``worker_extension_cls=EXTENSION``: reads
+    by name for ``collective_rpc`` (an engine in another process takes no pickled callables)."""
+
+    def twinkle_engine_figures(self) -> dict:
+        """:func:`engine_figures` of this worker."""
+        return engine_figures(self)
+
+    def twinkle_engine_params(self) -> dict:
+        """:func:`engine_params` of this worker, each tensor as ``[dtype, shape, bytes]`` (vLLM's RPC
+        from another process returns tensors in a result as nested lists): :func:`decode_params`."""
+        got = engine_params(self)
+        got["params"] = {n: [str(t.dtype).removeprefix("torch."), list(t.shape), t.contiguous().numpy().tobytes()
+                             if t.dtype != torch.bfloat16 else t.contiguous().view(torch.int16).numpy().tobytes()]
+                         for n, t in got["params"].items()}
+        return got
+
+
+def decode_params(encoded: dict) -> dict:
+    """Tensors back from :meth:`TwinkleWorkerExtension.twinkle_engine_params`'s ``[dtype, shape, bytes]``.
+
+    >>> t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    >>> decode_params({"w": ["float32", [2, 3], t.numpy().tobytes()]})["w"].equal(t)
+    True
+    """
+    out = {}
+    for name, (dtype, shape, raw) in encoded.items():
+        dt = getattr(torch, dtype)
+        if not raw:
+            out[name] = torch.empty(shape, dtype=dt)
+        else:
+            out[name] = torch.frombuffer(bytearray(raw), dtype=dt).reshape(shape).clone()
+    return out
+
+
+# vLLM imports this module in each worker process of an engine that names EXTENSION, before it builds
+# the worker's weight-transfer engine: the backend must be known there, not only in the process
+# that configured the engine (a spawned process starts with vLLM's registry empty).
+register()
