@@ -1,5 +1,9 @@
 """``dispatch='balance'``, the pure part: chunks, who takes which, and input order (no Ray).
 
+Over 400 lines, and owed a split: the chunk table, the position maths routing reads and the
+bench's schedule models (``pull_schedule``, ``batch_sync_schedule``) are three jobs; the models
+are to move out.
+
 A balanced call cuts its batch of ``n`` items into chunks of ``chunk_size``
 items (:func:`chunk_bounds`). Each worker of the gang loops, asking the
 gang's dispatcher for its next chunk; a :class:`ChunkAssigner` answers: the

@@ -1,5 +1,8 @@
 """The dispatcher actor: one per gang, async, refs only.
 
+One piece over 400 lines: the four steps of taking a call share the actor's state; its other
+jobs already live apart (health, rebuild, sequencer, balance, beside).
+
 It creates and owns the gang's workers (so they die with it), starts
 torch.distributed among them, and is the gang's sequencer: every caller's
 calls reach every rank in one order. A call is taken in four steps: its

@@ -1,5 +1,8 @@
 """GangProxy: what ``MyClass(..., remote_group='g')`` returns in Ray mode.
 
+Over 400 lines, and owed a split: the call path (``_call``, ``_encode``), the gang's life
+(restart, save_state, its dispatcher's rebuild, close) and lookup are three jobs in one class.
+
 The proxy holds the gang's dispatcher handle and what is needed to split
 arguments (the gang's DeviceMesh and size). A method call splits plain
 arguments here with the pure dispatch rules, puts large pieces in the object

@@ -1,5 +1,8 @@
 """The call's wire format: what a caller sends its gang's dispatcher, and each rank's task.
 
+One piece, a little over 400 lines: the :class:`Call`, the :class:`Task` and the pickler that
+writes and reads them are one format; split, each half would have to know the other's fields.
+
 A call travels as one :class:`Call` (caller -> dispatcher), then as one actor task per
 rank, ``worker.run(task, tops)`` (dispatcher -> rank), where ``task`` is a :class:`Task`
 and ``tops`` the refs of what the caller put (large arrays and pickles, ObjectRefs passed

@@ -1,5 +1,9 @@
 """The worker actor: hosts one instance of the user's class in a gang.
 
+One piece over 400 lines: its methods are the worker's remote interface (start, run,
+run_beside, stream, control, save and load), which Ray needs on one class; their bodies live in
+balance, beside, inflight and routed.
+
 The user's class needs no ``@ray.remote``; the worker builds it after setting
 the gang's environment (devices, RANK, MASTER_ADDR, ...) and, when asked,
 initialising torch.distributed. Every call reaches a rank through one entry

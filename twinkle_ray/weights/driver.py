@@ -1,5 +1,9 @@
 """The driver API: :func:`sync_weights`, :class:`WeightSync`.
 
+One piece, a little over 400 lines: ``sync_weights``, a channel's set-up and its syncs share
+the channel's state (its pairs, its sync count, its last handle); the registry is three
+functions of that state.
+
 A :class:`WeightSync` is one trainer -> samplers channel. Its set-up is four calls, made at once and
 in each gang's order (nothing waits on the driver): ``weight_sync_probe`` on every gang (the
 trainer's slabs, the receivers' wants), ``weight_sync_plan`` on the trainer's rank 0 (the plan, from

@@ -1,5 +1,9 @@
 """The worker side: :class:`WeightSyncMixin`, mixed into a trainer and a sampler remote class.
 
+Over 400 lines, and owed a split: the worker-side hooks and the channel's operations (probe,
+plan, join, send, recv, close) sit together because both are methods of the user's class; the
+operations could move to a second mixin.
+
 Trainer (source) hooks: ``weight_sync_shards()`` (the slabs this rank holds: by default its
 model's state dict, a DTensor as its local rows) and ``weight_sync_replica()`` (which data-parallel
 copy this rank belongs to). A class that overrides the older ``weight_sync_tensors()`` (full tensors
