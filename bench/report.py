@@ -44,6 +44,9 @@ AREAS: list[tuple[str, tuple[str, ...], str, str]] = [
      "generation of step k+1 overlapping training of step k (sync_weights(wait=False))"),
     ("Weight sync", ("W2",), "python -m bench --only W2",
      "trainer to sampler weights: bytes per process and wall time"),
+    ("RL loop side by side", ("RL",), "python -m bench.rl_modes (--toy: examples/rlhf_grpo.py)",
+     "GRPO plain, --async 1 and --stream on the same seed and steps: wall per step, samples/s and "
+     "the reward (the plot: bench/results/rl-modes-<example>.png)"),
     ("Peer side by side", ("PEER",),
      "python -m bench.peer_twinkle_kit --only startup,call,flow --workers 4,24 (in a venv with twinkle-kit)",
      "the same workloads through twinkle-kit, the framework users switch from"),
@@ -56,6 +59,11 @@ def load(paths: Iterable[str | Path]) -> list[dict]:
     rows: list[dict] = []
     for path in paths:
         text = Path(path).read_text()
+        try:  # a whole-file document (python -m bench.rl_modes writes one, indented)
+            rows += rows_of(json.loads(text), source=str(path))
+            continue
+        except json.JSONDecodeError:
+            pass
         lines = [ln for ln in text.splitlines() if ln.lstrip().startswith("{")]
         if not lines:
             raise ValueError(f"{path}: no JSON line (a line starting with '{{')")
@@ -72,6 +80,13 @@ def rows_of(doc: dict, source: str = "") -> list[dict]:
                "machine": f"{machine['cpus']} CPUs, Ray {machine['ray']}" if machine else None,
                "wall_s": doc.get("wall_s")}
         return [{**row, "_run": run, "_key": _key(row)} for row in doc["results"]]
+    if "summary" in doc and "example" in doc:  # python -m bench.rl_modes: one row per schedule
+        toy = doc["example"] == "rlhf_grpo"
+        run = {"command": doc.get("command", "python -m bench.rl_modes" + (" --toy" if toy else "")),
+               "commit": doc.get("commit"), "load": doc.get("load_avg"), "source": source,
+               "machine": doc.get("machine")}
+        return [{**figures, "name": f"{doc['example']} {mode}, {doc['steps']} steps, seed {doc['seed']}",
+                 "rl_mode": True, "_run": run, "_key": "RL"} for mode, figures in doc["summary"].items()]
     if "rows" in doc:  # python -m bench.peer_twinkle_kit
         info = doc.get("info", {})
         load_ = [info["load_avg_start"][0], info["load_avg_end"][0]] if "load_avg_start" in info else None
@@ -115,6 +130,10 @@ def figure(row: dict) -> str:
     if "requests_per_s" in row:
         return (f"{row['requests_per_s']:,.0f} requests/s ({row['per_request_group_ms']:.2f} ms per "
                 f"request on a group's path; one ask {row['ask_ms']:.2f} ms alone)")
+    if row.get("rl_mode"):
+        return (f"{row['loop_s']:.1f} s for the loop, {row['median_step_s']:.2f} s per step (median), "
+                f"{row['samples_per_s']:,.0f} samples/s; reward {row['reward_first']:.3f} -> "
+                f"{row['reward_last']:.3f}; {row['speedup_vs_plain']:.2f}x plain's speed")
     if row.get("b11"):
         return f"{_t(row['twinkle_s'], 's')} vs {_t(row['raw_s'], 's')}: {row['ratio']:.3f}x"
     if row.get("b8_overhead"):

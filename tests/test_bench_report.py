@@ -91,3 +91,19 @@ def test_benchmarks_md_is_what_the_generator_makes_of_the_committed_runs(monkeyp
     sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "bench" / "results").glob("*.json"))
     assert sources, "no bench run in bench/results/"
     assert (ROOT / "BENCHMARKS.md").read_text() == report.render(report.load(sources), sources)
+
+
+def test_rl_modes_side_by_side_is_an_area_of_its_own(tmp_path):
+    """``python -m bench.rl_modes`` writes one indented document: a row per schedule."""
+    fig = {"loop_s": 10.0, "median_step_s": 0.5, "samples_per_s": 250.0, "reward_first": 0.1,
+           "reward_last": 0.3, "max_logprob_gap": None, "wall_s": 60.0, "speedup_vs_plain": 1.0}
+    doc = {"example": "rlhf_grpo", "steps": 20, "seed": 0, "machine": "2 CPUs",
+           "summary": {"plain": fig, "stream": {**fig, "loop_s": 5.0, "speedup_vs_plain": 2.0}}}
+    path = tmp_path / "rl-modes-rlhf_grpo.json"
+    path.write_text(json.dumps(doc, indent=1))
+    rows = report.load([path])
+    assert [r["_key"] for r in rows] == ["RL", "RL"]
+    side = _section(report.render(rows), "RL loop side by side")
+    assert "| rlhf_grpo stream, 20 steps, seed 0 |" in side
+    assert "5.0 s for the loop" in side and "2.00x plain's speed" in side
+    assert "`python -m bench.rl_modes --toy`" in side
