@@ -84,7 +84,7 @@ def _stream(lazy: Any, reply: Any, deadline: float | None, stated: float | None,
     try:
         yield from _from_gang(lazy, reply, deadline, stated, where, caller, delivered, batches)
     except WorkerDiedError as death:
-        again = lazy._again
+        again = lazy.requeue
         if again is None:
             raise
         todo = [i for i in range(again.n) if i not in delivered]
@@ -96,8 +96,7 @@ def _stream(lazy: Any, reply: Any, deadline: float | None, stated: float | None,
         items = {i: take_items(v, i - s, i - s + 1) for s, e, v in batches for i in range(s, e)}
         value = rerun.get()
         items.update((i, take_items(value, j, j + 1)) for j, i in enumerate(todo))
-        lazy._value = join_items([items[i] for i in range(again.n)])  # get(): input order
-        lazy._has_value = True
+        lazy.fill(join_items([items[i] for i in range(again.n)]))  # get(): input order
 
 
 def _from_gang(lazy: Any, reply: Any, deadline: float | None, stated: float | None, where: str,

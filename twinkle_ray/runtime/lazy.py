@@ -86,10 +86,20 @@ class LazyResult(Pending, Routable):
     __slots__ = ("reply_ref", "_reply", "_value", "_has_value", "collect", "gang", "method",
                  "timeout", "turn", "_caller", "_previous", "_again")
 
+    @property
+    def requeue(self) -> Any:
+        """How a balanced call's undelivered items run again on the rebuilt gang after a death
+        (:class:`~twinkle_ray.runtime.completed.Requeue`), or None."""
+        return self._again
+
+    def fill(self, value: Any) -> None:
+        """The value ``get()`` gives from now on (``as_completed``'s join after a re-queue)."""
+        self._value, self._has_value = value, True
+
     def __init__(self, reply_ref: Any, *, collect: Any, gang: GangRef, method: str,
                  timeout: float | None = None, reply: Reply | None = None,
                  turn: tuple[str, int] | None = None, caller: Caller | None = None,
-                 previous: Any = None):
+                 previous: Any = None, again: Any = None):
         self.reply_ref = reply_ref  # the ref of the dispatcher's Reply
         self._reply = reply
         self._caller = caller  # the proxy that made the call (never pickled)
@@ -98,7 +108,7 @@ class LazyResult(Pending, Routable):
         self._previous = previous
         # a balanced call's way to run its undelivered items again on the rebuilt gang after a
         # death (completed.Requeue; set by the proxy that made it, never pickled)
-        self._again = None
+        self._again = again
         self.turn = turn  # (caller id, number): its dispatcher knows the reply by it a while
         self._value = None
         self._has_value = False

@@ -279,13 +279,14 @@ class GangProxy:
             reply_ref, settled = g.dispatcher.call.remote(call)
             self._next_turn += 1  # only a submitted call takes a turn
             self._prev = previous = _Previous(settled)
-        result = LazyResult(reply_ref, collect=spec.collect, gang=g, method=name,
-                            timeout=spec.timeout, turn=call.turn[:2], caller=self._hooks,
-                            previous=previous)
+        again = None
         if balanced and not call.routes and not eager:  # as_completed after a death: the
             # undelivered items run again on the rebuilt gang (runtime.completed)
             n = next(len(v) for v in [*args, *kwargs.values()] if isinstance(v, list))
-            result._again = Requeue(n, lambda todo: self._call(name, spec, *_pick(args, kwargs, todo)))
+            again = Requeue(n, lambda todo: self._call(name, spec, *_pick(args, kwargs, todo)))
+        result = LazyResult(reply_ref, collect=spec.collect, gang=g, method=name,
+                            timeout=spec.timeout, turn=call.turn[:2], caller=self._hooks,
+                            previous=previous, again=again)
         return result.get() if eager else result
 
     def _encode(self, g: GangRef, name: str, spec: RemoteFunction, execute: str, args: tuple,
